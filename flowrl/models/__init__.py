@@ -1,0 +1,1 @@
+"""Model adapters: one file per family over diffusers classes."""

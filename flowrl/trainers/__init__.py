@@ -1,0 +1,1 @@
+"""Trainers: one recipe per file."""

@@ -1,0 +1,1 @@
+"""Reward scorers; each module registers itself in flowrl.registry.REWARDS."""

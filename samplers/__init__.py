@@ -1,0 +1,1 @@
+"""Rollout samplers; each module registers itself in flowrl.registry.SAMPLERS."""

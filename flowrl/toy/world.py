@@ -1,0 +1,207 @@
+"""The Shapes world: a grammar of prompts, a seeded renderer of 32x32 images, a fixed split, corruptions.
+
+A scene is one to three identical shapes (circle, square, triangle) of one colour on a dark background, at
+random places, one random size per scene, never overlapping. Prompts read "<count> <colour> <shape>[s]",
+e.g. "two red circles". Eight of the 36 combinations are held out of the model's training (`HELD_OUT`);
+every pair of attribute values still appears in training, so the held-out set tests composition.
+
+Images are float32 tensors [3, H, W] in [0, 1]. Shapes are drawn from signed distances with one pixel of
+anti-aliasing (coverage = clamp(0.5 - distance, 0, 1)), so rendering is exact and fast in numpy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+IMAGE_SIZE = 32
+COUNTS = ("one", "two", "three")
+COLOURS = ("red", "green", "blue", "yellow")
+SHAPES = ("circle", "square", "triangle")
+# RGB in [0, 1]
+COLOUR_RGB = {
+    "red": (0.90, 0.15, 0.15),
+    "green": (0.15, 0.78, 0.22),
+    "blue": (0.20, 0.35, 0.95),
+    "yellow": (0.95, 0.85, 0.12),
+}
+BACKGROUND_RGB = (0.10, 0.10, 0.12)
+GRAMMAR = "<count> <colour> <shape>  with count in {one, two, three}, colour in {red, green, blue, yellow}, " \
+    "shape in {circle, square, triangle} (plural after two/three), e.g. 'two red circles'"
+
+CORRUPTIONS = ("noise", "blocking", "stripes", "saturation")
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    count: int  # 1..3
+    colour: str
+    shape: str
+
+    @property
+    def prompt(self) -> str:
+        plural = "s" if self.count > 1 else ""
+        return f"{COUNTS[self.count - 1]} {self.colour} {self.shape}{plural}"
+
+    @property
+    def labels(self) -> tuple[int, int, int]:
+        """(count index, colour index, shape index), the judges' class ids."""
+        return self.count - 1, COLOURS.index(self.colour), SHAPES.index(self.shape)
+
+
+ALL_SPECS = tuple(ShapeSpec(n, c, s) for n, c, s in itertools.product((1, 2, 3), COLOURS, SHAPES))
+# Held out of the toy model's training: no two share a (count, colour), (count, shape) or (colour, shape) pair.
+HELD_OUT = (
+    ShapeSpec(1, "red", "triangle"),
+    ShapeSpec(2, "red", "circle"),
+    ShapeSpec(3, "green", "square"),
+    ShapeSpec(1, "green", "circle"),
+    ShapeSpec(2, "blue", "triangle"),
+    ShapeSpec(3, "blue", "circle"),
+    ShapeSpec(1, "yellow", "square"),
+    ShapeSpec(3, "yellow", "triangle"),
+)
+TRAIN = tuple(s for s in ALL_SPECS if s not in HELD_OUT)
+SPLITS = {"train": TRAIN, "heldout": HELD_OUT, "all": ALL_SPECS}
+
+
+def split_specs(split: str) -> tuple[ShapeSpec, ...]:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is unknown; use one of {', '.join(SPLITS)}")
+    return SPLITS[split]
+
+
+def split_prompts(split: str) -> list[str]:
+    return [spec.prompt for spec in split_specs(split)]
+
+
+def parse_prompt(prompt: str) -> ShapeSpec:
+    """'two red circles' -> ShapeSpec(2, 'red', 'circle'); anything outside the grammar raises ValueError."""
+    words = prompt.strip().lower().split()
+    if len(words) == 3 and words[0] in COUNTS and words[1] in COLOURS:
+        count = COUNTS.index(words[0]) + 1
+        shape = words[2][:-1] if count > 1 and words[2].endswith("s") else words[2]
+        if shape in SHAPES and (count > 1) == (words[2] != shape):
+            return ShapeSpec(count, words[1], shape)
+    raise ValueError(f"prompt {prompt!r} is outside the Shapes grammar: {GRAMMAR}")
+
+
+def _place(rng: np.random.Generator, count: int, extent: float, size: int) -> list[tuple[float, float]] | None:
+    centres: list[tuple[float, float]] = []
+    lo, hi = extent + 0.5, size - extent - 0.5
+    for _ in range(200):
+        x, y = rng.uniform(lo, hi, size=2)
+        if all(math.hypot(x - cx, y - cy) >= 2 * extent + 1.5 for cx, cy in centres):
+            centres.append((float(x), float(y)))
+            if len(centres) == count:
+                return centres
+    return None
+
+
+def _signed_distance(shape: str, px: np.ndarray, py: np.ndarray, radius: float) -> np.ndarray:
+    if shape == "circle":
+        return np.hypot(px, py) - radius
+    if shape == "square":  # axis-aligned, half side 0.85 r (about the circle's area)
+        return np.maximum(np.abs(px), np.abs(py)) - 0.85 * radius
+    # upright equilateral triangle (apex up, image y grows downwards), circumradius 1.25 r, centred on its centroid
+    inradius = 0.625 * radius
+    edges = (py, 0.8660254 * px - 0.5 * py, -0.8660254 * px - 0.5 * py)
+    return np.maximum.reduce(edges) - inradius
+
+
+def _scene(spec: ShapeSpec, rng: np.random.Generator, size: int) -> list[tuple[float, float, float]]:
+    """[(cx, cy, radius)] for one scene; the radius shrinks until the shapes fit without overlap."""
+    radius = rng.uniform(3.5, 6.0) * size / IMAGE_SIZE
+    while True:
+        extent = 1.25 * radius if spec.shape == "triangle" else 1.2 * radius
+        centres = _place(rng, spec.count, extent, size)
+        if centres is not None:
+            return [(cx, cy, radius) for cx, cy in centres]
+        radius *= 0.9
+
+
+def render(spec: ShapeSpec, seed: int, size: int = IMAGE_SIZE) -> torch.Tensor:
+    """One scene [3, size, size] float32 in [0, 1]; the same (spec, seed) always gives the same image."""
+    rng = np.random.default_rng(seed)
+    ys, xs = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5  # pixel centres, [size, size]
+    coverage = np.zeros((size, size))
+    for cx, cy, radius in _scene(spec, rng, size):
+        alpha = np.clip(0.5 - _signed_distance(spec.shape, xs - cx, ys - cy, radius), 0.0, 1.0)
+        coverage = np.maximum(coverage, alpha)
+    colour = np.asarray(COLOUR_RGB[spec.colour])[:, None, None]  # [3, 1, 1]
+    background = np.asarray(BACKGROUND_RGB)[:, None, None]
+    image = background * (1 - coverage) + colour * coverage  # [3, size, size]
+    return torch.from_numpy(image.astype(np.float32))
+
+
+def render_batch(specs: list[ShapeSpec], seeds: list[int], size: int = IMAGE_SIZE) -> torch.Tensor:
+    """Scenes [N, 3, size, size] float32 in [0, 1]."""
+    if len(specs) != len(seeds):
+        raise ValueError(f"render_batch: {len(specs)} specs but {len(seeds)} seeds; give one seed per spec")
+    return torch.stack([render(spec, seed, size) for spec, seed in zip(specs, seeds)])
+
+
+def sample_specs(num: int, split: str, generator: torch.Generator) -> list[ShapeSpec]:
+    """`num` specs drawn uniformly from a split."""
+    pool = split_specs(split)
+    index = torch.randint(len(pool), (num,), generator=generator)  # [N]
+    return [pool[i] for i in index.tolist()]
+
+
+def random_batch(num: int, split: str, generator: torch.Generator) -> tuple[torch.Tensor, list[ShapeSpec]]:
+    """Fresh renders [N, 3, 32, 32] of random specs from a split, seeded by the generator."""
+    specs = sample_specs(num, split, generator)
+    seeds = torch.randint(2**31 - 1, (num,), generator=generator).tolist()  # [N]
+    return render_batch(specs, seeds), specs
+
+
+# ---- corruptions (the artifact judge's negatives) ---------------------------------------------------------
+
+
+def corrupt(images: torch.Tensor, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """Apply one corruption with a random strength per image; images [N, 3, H, W] in [0, 1] -> same shape."""
+    n, _, h, w = images.shape
+
+    def uniform(lo: float, hi: float) -> torch.Tensor:
+        return lo + (hi - lo) * torch.rand(n, 1, 1, 1, generator=generator)  # [N, 1, 1, 1]
+
+    if kind == "noise":  # additive Gaussian noise, std 0.08..0.25
+        out = images + uniform(0.08, 0.25) * torch.randn(images.shape, generator=generator)
+    elif kind == "blocking":  # 4x4 (or 8x8) block averages blended in: pixelation / codec blocks
+        block = 4 if torch.rand((), generator=generator) < 0.75 else 8
+        pooled = torch.nn.functional.avg_pool2d(images, block)
+        pooled = torch.nn.functional.interpolate(pooled, size=(h, w), mode="nearest")  # [N, 3, H, W]
+        out = images + uniform(0.7, 1.0) * (pooled - images)
+    elif kind == "stripes":  # periodic lines, horizontal or vertical, period 2..4 px
+        period = torch.randint(2, 5, (n,), generator=generator).float()[:, None]  # [N, 1]
+        phase = torch.rand(n, 1, generator=generator) * period
+        coord = torch.arange(h).float()[None, :]  # [1, H]
+        lines = (((coord + phase) % period) < 1).float()  # [N, H]
+        vertical = torch.rand(n, generator=generator) < 0.5
+        pattern = torch.where(vertical[:, None, None], lines[:, None, :].expand(n, h, w), lines[:, :, None].expand(n, h, w))
+        sign = torch.where(torch.rand(n, 1, 1, 1, generator=generator) < 0.5, -1.0, 1.0)
+        tint = 0.5 + 0.5 * torch.rand(n, 3, 1, 1, generator=generator)  # [N, 3, 1, 1]
+        out = images + sign * uniform(0.15, 0.35) * tint * pattern[:, None]
+    elif kind == "saturation":  # chroma blown up and a colour cast, clipped: the over-saturated look
+        grey = images.mean(dim=1, keepdim=True)  # [N, 1, H, W]
+        cast = torch.rand(n, 3, 1, 1, generator=generator) * uniform(0.25, 0.5)  # [N, 3, 1, 1]
+        out = grey + uniform(2.0, 3.5) * (images - grey) + cast
+    else:
+        raise ValueError(f"corruption kind={kind!r} is unknown; use one of {', '.join(CORRUPTIONS)}")
+    return out.clamp(0.0, 1.0)
+
+
+def soften(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Mild clean-side augmentation (slight blur on half the images, faint noise): model samples look like this."""
+    n = images.shape[0]
+    kernel = torch.tensor([0.25, 0.5, 0.25])
+    kernel2d = (kernel[:, None] * kernel[None, :]).expand(3, 1, 3, 3)  # [3, 1, 3, 3]
+    blurred = torch.nn.functional.conv2d(torch.nn.functional.pad(images, (1, 1, 1, 1), mode="replicate"), kernel2d, groups=3)
+    mix = (torch.rand(n, 1, 1, 1, generator=generator) < 0.5).float() * torch.rand(n, 1, 1, 1, generator=generator)
+    out = images + mix * (blurred - images)
+    out = out + 0.03 * torch.rand(n, 1, 1, 1, generator=generator) * torch.randn(images.shape, generator=generator)
+    return out.clamp(0.0, 1.0)

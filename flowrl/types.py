@@ -93,6 +93,7 @@ class FlowModel(Protocol):
     dtype: torch.dtype
     transformer: torch.nn.Module  # the denoiser that training updates (LoRA lives here)
     is_video: bool
+    default_guidance_scale: float  # what samplers use when the config leaves guidance_scale unset
 
     def encode(self, prompts: list[str], negative_prompt: str = "", guidance_scale: float = 1.0) -> Cond:
         """Encode prompts (cached per prompt); rows [N]. Negative embeddings included when CFG is used."""

@@ -1,0 +1,199 @@
+"""The part every diffusers-backed adapter shares: loading, the prompt cache, LoRA, the reference switch.
+
+A family file (sd3.py, flux.py, sana.py, wan.py) subclasses `PipelineFlowModel` and writes only what its
+pipeline does differently: how prompts are encoded, how latents are laid out, how the transformer is
+called and how latents decode. Time arithmetic comes from `flowrl.sde`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from flowrl.types import Cond, concat_cond
+
+
+class PipelineFlowModel:
+    """FlowModel over a loaded diffusers pipeline (see flowrl.types.FlowModel for the contract)."""
+
+    family: str = ""
+    is_video: bool = False
+    pipeline_classes: tuple[str, ...] = ()  # diffusers pipeline class names this adapter accepts
+    default_guidance_scale: float = 1.0
+    # LoRA targets inside the transformer (Flow-GRPO's list for SD3; each family sets its own)
+    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+
+    def __init__(self, pipe: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.pipe = pipe
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.transformer = pipe.transformer
+        for name, component in pipe.components.items():
+            if isinstance(component, torch.nn.Module):
+                component.eval()
+                component.requires_grad_(False)
+        self._cache: dict[tuple[str, str | None], Cond] = {}
+        self._lora_config: Any = None
+
+    # ----------------------------------------------------------------------------------------- prompts
+    def _encode_batch(self, prompts: list[str], negative_prompt: str | None) -> Cond:
+        """Encode prompts (and the negative prompt when not None) with the pipeline; rows [N]."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], negative_prompt: str = "", guidance_scale: float = 1.0) -> Cond:
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty: pass at least one prompt")
+        negative = negative_prompt if self.uses_cfg(guidance_scale) else None
+        missing = list(dict.fromkeys(p for p in prompts if (p, negative) not in self._cache))
+        if missing:
+            cond = self._encode_batch(missing, negative)
+            for i, prompt in enumerate(missing):
+                self._cache[(prompt, negative)] = {k: v[i : i + 1] for k, v in cond.items()}
+        return concat_cond([self._cache[(p, negative)] for p in prompts])
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        """Whether `guidance_scale` means true classifier-free guidance (two branches) for this family."""
+        return guidance_scale > 1.0
+
+    # ----------------------------------------------------------------------------------------- latents
+    def check_size(self, height: int, width: int, num_frames: int | None = None) -> None:
+        factor = self.size_factor()
+        for name, value in (("height", height), ("width", width)):
+            if value <= 0 or value % factor:
+                raise ValueError(f"{name}={value} is not a positive multiple of {factor}, which {self.family} needs")
+
+    def size_factor(self) -> int:
+        raise NotImplementedError
+
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def prepare_latents(self, num: int, height: int, width: int, generator=None, num_frames: int | None = None) -> torch.Tensor:
+        """Initial noise drawn like the pipeline draws it (in the transformer dtype), returned as float32."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        self.check_size(height, width, num_frames)
+        shape = self._noise_shape(num, height, width, num_frames)
+        noise = randn_tensor(shape, generator=generator, device=self.device, dtype=self.transformer.dtype)
+        return self._pack(noise).float()
+
+    def _noise_shape(self, num: int, height: int, width: int, num_frames: int | None) -> tuple[int, ...]:
+        return (num, *self.latent_shape(height, width, num_frames))
+
+    def _pack(self, noise: torch.Tensor) -> torch.Tensor:
+        return noise
+
+    def image_seq_len(self, height: int, width: int, num_frames: int | None = None) -> int:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------------------- time
+    def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
+        from flowrl import sde
+
+        if num_steps < 1:
+            raise ValueError(f"num_steps={num_steps} must be >= 1")
+        config = self.pipe.scheduler.config
+        mu = None
+        if config.get("use_dynamic_shifting", False):
+            mu = sde.calculate_shift(
+                self.image_seq_len(height, width, num_frames), config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+            )
+        return sde.scheduler_sigmas(config, num_steps, sigmas=self.custom_sigmas(num_steps), mu=mu)
+
+    def custom_sigmas(self, num_steps: int) -> list[float] | None:
+        """The explicit sigma list the pipeline hands its scheduler (FLUX does), or None."""
+        return None
+
+    # ----------------------------------------------------------------------------------------- network
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor | float, cond: Cond, guidance_scale: float) -> torch.Tensor:
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
+        if sigma.ndim == 0:
+            sigma = sigma.expand(latents.shape[0])
+        return self._velocity(latents.to(self.transformer.dtype), sigma, cond, guidance_scale).float()
+
+    def _velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance_scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.transformer.enable_gradient_checkpointing()
+
+    # ----------------------------------------------------------------------------------------- LoRA
+    def add_lora(self, rank: int = 32, alpha: float | None = None, target_modules: tuple[str, ...] | None = None,
+                 init_lora_weights: str | bool = "gaussian", adapter_name: str = "default") -> None:
+        """Add a trainable LoRA adapter to the transformer (peft); only its weights require grad."""
+        from peft import LoraConfig
+
+        if rank < 1:
+            raise ValueError(f"lora rank={rank} must be >= 1")
+        self._lora_config = LoraConfig(
+            r=rank, lora_alpha=alpha if alpha is not None else rank, init_lora_weights=init_lora_weights,
+            target_modules=list(target_modules or self.lora_target_modules),
+        )
+        self.transformer.add_adapter(self._lora_config, adapter_name=adapter_name)
+        for name, param in self.transformer.named_parameters():
+            param.requires_grad_("lora_" in name)
+
+    @property
+    def has_lora(self) -> bool:
+        return bool(getattr(self.transformer, "_hf_peft_config_loaded", False))
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        from peft.utils import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.transformer)
+
+    def save_lora(self, folder: str | Path) -> Path:
+        """Write the adapter in the diffusers LoRA format (`pipe.load_lora_weights(folder)` reads it)."""
+        if not self.has_lora:
+            raise ValueError("the model has no LoRA adapter to save; call add_lora first or train with use_lora")
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        metadata = self._lora_config.to_dict() if self._lora_config is not None else None
+        if metadata is not None:
+            metadata["target_modules"] = sorted(metadata["target_modules"])
+        type(self.pipe).save_lora_weights(
+            str(folder), transformer_lora_layers=self.lora_state_dict(), transformer_lora_adapter_metadata=metadata,
+            safe_serialization=True,
+        )
+        return folder
+
+    def load_lora(self, path: str | Path, adapter_name: str = "default") -> None:
+        """Load a diffusers-format LoRA (folder or .safetensors file) into the transformer, as the pipeline does."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"lora={str(path)!r} does not exist; pass a folder written by save_lora or a .safetensors file")
+        if path.is_dir():
+            self.pipe.load_lora_weights(str(path), adapter_name=adapter_name)
+        else:
+            self.pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=adapter_name)
+        self.transformer.eval()
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """The reference (base) model: LoRA layers switched off inside the block, on again after."""
+        if not self.has_lora:
+            raise RuntimeError("adapter_disabled() needs a LoRA adapter; with full fine-tuning keep a frozen reference copy")
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+
+def validate_pipeline_folder(path: str | Path) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model={str(path)!r} is not a folder; pass a diffusers pipeline folder, a hub id or 'toy'")
+    if not (folder / "model_index.json").exists():
+        raise FileNotFoundError(
+            f"model={str(path)!r} has no model_index.json; pass the folder written by a pipeline's save_pretrained"
+        )
+    return folder

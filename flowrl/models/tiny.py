@@ -1,0 +1,220 @@
+"""Tiny random pipelines of every family, built offline from configs (the fixture of tests and benchmarks).
+
+Each builder creates the real diffusers/transformers classes with a few hundred kilobytes of random
+weights and tokenizers made in code (no download), and `save_pretrained`s the whole pipeline, so that
+`load_flow_model(folder)` reads it exactly like a hub checkpoint. Components are put in eval mode.
+
+    python -m flowrl.models.tiny sd3 /tmp/tiny-sd3
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("sd3", "flux", "sana", "wan")
+
+
+def _byte_unicode_table() -> list[str]:
+    """The 256 printable stand-ins for bytes used by byte-level BPE vocabularies (GPT-2/CLIP convention)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def clip_tokenizer(folder: Path):
+    """A character-level CLIP tokenizer (CLIP's byte alphabet, no merges): 514 tokens, max length 77."""
+    from transformers import CLIPTokenizer
+
+    chars = _byte_unicode_table()
+    vocab = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps({tok: i for i, tok in enumerate(vocab)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(vocab=str(folder / "vocab.json"), merges=str(folder / "merges.txt"), model_max_length=77)
+
+
+def t5_tokenizer(max_length: int = 64):
+    """A character-level unigram T5 tokenizer (lowercase letters, digits, punctuation; 100 extra ids)."""
+    from transformers import T5TokenizerFast
+
+    pieces = ["<pad>", "</s>", "<unk>", "▁"] + [f"▁{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+    pieces += list("abcdefghijklmnopqrstuvwxyz0123456789.,!?'\"-")
+    vocab = [(p, 0.0 if i < 3 else -float(i)) for i, p in enumerate(pieces)]
+    return T5TokenizerFast(vocab=vocab, extra_ids=100, model_max_length=max_length)
+
+
+def gemma_tokenizer(max_length: int = 64):
+    """A byte-level BPE Gemma tokenizer without merges (characters only)."""
+    from transformers import GemmaTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    chars = [chr(c) for c in range(32, 127)] + ["▁"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = GemmaTokenizerFast(vocab=vocab, merges=[], model_max_length=max_length)
+    tok.padding_side = "right"
+    return tok
+
+
+def _clip_text_config(projection: bool):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=514, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=77, projection_dim=32, bos_token_id=512, eos_token_id=513, pad_token_id=513,
+        hidden_act="gelu",
+    )
+
+
+def _t5_config(d_model: int, umt5: bool = False):
+    from transformers import T5Config, UMT5Config
+
+    cls = UMT5Config if umt5 else T5Config
+    return cls(
+        vocab_size=len(t5_tokenizer()), d_model=d_model, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )
+
+
+def build_sd3(folder: Path) -> Path:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(
+        sample_size=16, patch_size=1, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+        pos_embed_max_size=32,
+    )
+    text_encoder = CLIPTextModelWithProjection(_clip_text_config(True))
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_text_config(True))
+    text_encoder_3 = T5EncoderModel(_t5_config(64))
+    vae = AutoencoderKL(
+        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4, 8), layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
+        shift_factor=0.0609, scaling_factor=1.5035,
+    )
+    tmp = Path(tempfile.mkdtemp())
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=text_encoder, tokenizer=clip_tokenizer(tmp / "t1"), text_encoder_2=text_encoder_2,
+        tokenizer_2=clip_tokenizer(tmp / "t2"), text_encoder_3=text_encoder_3, tokenizer_3=t5_tokenizer(),
+    )
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def build_flux(folder: Path) -> Path:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=[4, 4, 8],
+    )
+    vae = AutoencoderKL(
+        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4, 8), layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
+        shift_factor=0.0609, scaling_factor=1.5035,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    tmp = Path(tempfile.mkdtemp())
+    pipe = FluxPipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=CLIPTextModel(_clip_text_config(False)),
+        tokenizer=clip_tokenizer(tmp / "t1"), text_encoder_2=T5EncoderModel(_t5_config(32)), tokenizer_2=t5_tokenizer(),
+    )
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def build_sana(folder: Path) -> Path:
+    from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    torch.manual_seed(0)
+    transformer = SanaTransformer2DModel(
+        patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_attention_heads=2, attention_head_dim=4,
+        num_cross_attention_heads=2, cross_attention_head_dim=4, cross_attention_dim=8, caption_channels=8,
+        sample_size=32,
+    )
+    vae = AutoencoderDC(
+        in_channels=3, latent_channels=4, attention_head_dim=2, encoder_block_types=("ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "EfficientViTBlock"), encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8), encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)),
+        encoder_layers_per_block=(1, 1), decoder_layers_per_block=[1, 1], downsample_block_type="conv",
+        upsample_block_type="interpolate", decoder_norm_types="rms_norm", decoder_act_fns="silu", scaling_factor=0.41407,
+    )
+    tokenizer = gemma_tokenizer()
+    text_encoder = Gemma2Model(
+        Gemma2Config(
+            head_dim=16, hidden_size=8, initializer_range=0.02, intermediate_size=64, max_position_embeddings=8192,
+            model_type="gemma2", num_attention_heads=2, num_hidden_layers=1, num_key_value_heads=2,
+            vocab_size=len(tokenizer), attention_bias=False, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=2,
+            eos_token_id=1,
+        )
+    )
+    # SANA ships a multistep solver; flowrl's samplers (and the parity tests) step with the flow-matching Euler
+    # scheduler at the same flow shift, which is what we save here.
+    pipe = SanaPipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer,
+    )
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def build_wan(folder: Path) -> Path:
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=1, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+    pipe = WanPipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), vae=vae,
+        text_encoder=UMT5EncoderModel(_t5_config(32, umt5=True)), tokenizer=t5_tokenizer(),
+    )
+    pipe.save_pretrained(folder)
+    return folder
+
+
+BUILDERS = {"sd3": build_sd3, "flux": build_flux, "sana": build_sana, "wan": build_wan}
+
+# A size each tiny family runs at (height, width, num_frames) — divisible by its latent factors.
+TINY_SIZES = {"sd3": (32, 32, None), "flux": (32, 32, None), "sana": (32, 32, None), "wan": (16, 16, 5)}
+
+
+def build_tiny_pipeline(family: str, folder: str | Path) -> Path:
+    """Build the tiny random pipeline of `family` and save it to `folder` (created). Returns the folder."""
+    if family not in BUILDERS:
+        raise ValueError(f"family={family!r} has no tiny pipeline; choose one of {', '.join(FAMILIES)}")
+    folder = Path(folder)
+    if (folder / "model_index.json").exists():
+        return folder
+    return BUILDERS[family](folder)
+
+
+if __name__ == "__main__":
+    build_tiny_pipeline(sys.argv[1], sys.argv[2])
+    print(sys.argv[2])

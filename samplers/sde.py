@@ -1,0 +1,192 @@
+"""SDE rollouts with per-step log-probs (Flow-GRPO, DanceGRPO, CPS), optional SDE windows.
+
+    sampler = SDESampler(num_steps=10, kind="flow_grpo", noise_level=0.7, height=512, width=512)
+    rollout = sampler(model, PromptBatch(prompts, group_ids, seeds=seeds))
+
+Every sample owns its randomness: its initial noise comes from `torch.Generator().manual_seed(seed)` (the same
+latents the diffusers pipeline draws for that seed), its step noise from a second generator seeded from the
+same seed, so a trajectory does not depend on which other samples share the batch or the process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowrl import sde
+from flowrl.registry import SAMPLERS
+from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
+
+NOISE_STREAM = 1 << 32  # offset between a sample's latent seed and its step-noise seed
+
+
+def sample_generators(seeds: torch.Tensor, device: torch.device | str, offset: int = 0) -> list[torch.Generator]:
+    """One generator per sample, seeded with seed + offset (diffusers' convention for per-image seeds)."""
+    return [torch.Generator(device).manual_seed(int(s) + offset) for s in seeds.tolist()]
+
+
+def batch_seeds(batch: PromptBatch, generator: torch.Generator | None) -> torch.Tensor:
+    """The batch's seeds [N], or fresh ones drawn from `generator`."""
+    if batch.seeds is not None:
+        return batch.seeds.to(torch.int64).cpu()
+    return torch.randint(0, 2**31 - 1, (len(batch.prompts),), generator=generator, dtype=torch.int64)
+
+
+def latent_seeds(seeds: torch.Tensor, group_ids: torch.Tensor, same_latent: bool) -> torch.Tensor:
+    """Seeds of the initial noise: each sample's own, or its group's first seed (DanceGRPO's shared noise)."""
+    if not same_latent:
+        return seeds
+    out = seeds.clone()
+    for gid in group_ids.unique().tolist():
+        rows = (group_ids.cpu() == gid).nonzero().flatten()
+        out[rows] = seeds[rows].min()
+    return out
+
+
+def integrate(
+    model: FlowModel,
+    latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    cond: dict,
+    guidance_scale: float,
+    noise_levels: torch.Tensor,
+    kind: str,
+    generators: list[torch.Generator] | None,
+    log_prob_mode: str = "gaussian",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the T transitions; noise_levels [N, T] (0 = an Euler step). Returns (latents [N, T+1, ...], log_probs [N, T])."""
+    n, num_steps = noise_levels.shape
+    trajectory = [latents.float()]
+    log_probs = torch.zeros(n, num_steps, dtype=torch.float32, device=latents.device)  # [N, T]
+    x = latents.float()
+    for k in range(num_steps):
+        v = model.velocity(x, sigmas[k], cond, guidance_scale)
+        level = noise_levels[:, k]
+        step_kind = kind if bool((level > 0).any()) else "ode"
+        x, log_prob, _, _ = sde.sde_step(
+            v, x, float(sigmas[k]), float(sigmas[k + 1]), step_kind, level, generator=generators,
+            log_prob_mode=log_prob_mode,
+        )
+        log_probs[:, k] = log_prob
+        trajectory.append(x)
+    return torch.stack(trajectory, dim=1), log_probs
+
+
+@SAMPLERS.register("sde")
+@dataclass
+class SDESampler:
+    """Stochastic rollouts that record every latent and the behaviour log-prob of every transition."""
+
+    num_steps: int = 10
+    """Denoising steps T of a rollout (Flow-GRPO trains SD3.5 with 10, FLUX with 6)."""
+    height: int = 512
+    width: int = 512
+    num_frames: int | None = None
+    """Video models only: frames per clip."""
+    guidance_scale: float | None = None
+    """CFG scale (FLUX: the guidance embedding); None = the family's default."""
+    negative_prompt: str = ""
+    kind: str = "flow_grpo"
+    """sde_step kind: flow_grpo (g = a·sqrt(σ/(1−σ))), dance (g = η), cps (coefficient-preserving)."""
+    noise_level: float = 0.7
+    """a for flow_grpo/cps, η for dance."""
+    log_prob_mode: str = "gaussian"
+    """'gaussian' (exact density) or 'cps_sq' (flow_grpo's CPS quirk, ALGORITHMS Decision 1)."""
+    same_latent: bool = False
+    """Share the initial noise within a prompt group (DanceGRPO)."""
+    sde_window_size: int = 0
+    """W > 0: only W consecutive transitions are stochastic (Flow-GRPO-Fast / MixGRPO); 0 = all but the last."""
+    sde_window_range: tuple[int, int] | None = None
+    """[r0, r1): where the window may lie; None = (0, T - 1)."""
+    sde_window_mode: str = "random"
+    """'random': window start ~ UniformInt[r0, r1 - W] per sample; 'sliding': moves with `step` (MixGRPO)."""
+    sde_window_shift_every_n_steps: int = 1
+    """Sliding windows advance by one transition every this many training steps."""
+    sigma_schedule: str = "model"
+    """'model' (the pipeline's scheduler grid) or 'dance' (shift(linspace(1, 0, T+1)), DanceGRPO/BranchGRPO)."""
+    sigma_shift: float = 3.0
+    """Shift of the 'dance' grid."""
+    decode: bool = True
+    step: int = 0
+    """Training step, set by the trainer (drives sliding windows)."""
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps={self.num_steps} must be >= 1")
+        if self.noise_level < 0:
+            raise ValueError(f"noise_level={self.noise_level} must be >= 0")
+        if self.kind not in sde.KINDS:
+            raise ValueError(f"kind={self.kind!r} is not one of {', '.join(sde.KINDS)}")
+        if self.sde_window_mode not in ("random", "sliding"):
+            raise ValueError(f"sde_window_mode={self.sde_window_mode!r} must be 'random' or 'sliding'")
+        if self.sigma_schedule not in ("model", "dance"):
+            raise ValueError(f"sigma_schedule={self.sigma_schedule!r} must be 'model' or 'dance'")
+        r0, r1 = self.window_range()
+        if self.sde_window_size < 0 or (self.sde_window_size and not (0 <= r0 and r0 + self.sde_window_size <= r1 <= self.num_steps)):
+            raise ValueError(
+                f"sde_window_size={self.sde_window_size} does not fit sde_window_range=({r0}, {r1}) of {self.num_steps} "
+                "steps; need 0 <= r0 and r0 + size <= r1 <= num_steps"
+            )
+
+    def window_range(self) -> tuple[int, int]:
+        if self.sde_window_range is None:
+            return (0, max(self.num_steps - 1, 1))
+        return tuple(self.sde_window_range)
+
+    def grid(self, model: FlowModel) -> torch.Tensor:
+        if self.sigma_schedule == "dance":
+            return sde.dance_sigmas(self.num_steps, self.sigma_shift)
+        return model.sigmas(self.num_steps, self.height, self.width, self.num_frames)
+
+    def noise_levels(self, seeds: torch.Tensor) -> torch.Tensor:
+        """[N, T] noise level of each transition: the window's steps get `noise_level`, the rest 0 (Euler)."""
+        n, t = len(seeds), self.num_steps
+        levels = torch.zeros(n, t, dtype=torch.float32)  # [N, T]
+        if self.noise_level == 0:
+            return levels
+        if self.sde_window_size == 0:
+            # every transition but the last (σ_{T-1} -> 0 is a near-degenerate Gaussian), as Flow-GRPO trains
+            levels[:, : max(t - 1, 1)] = self.noise_level
+            return levels
+        r0, r1 = self.window_range()
+        w = self.sde_window_size
+        if self.sde_window_mode == "sliding":
+            starts = torch.full((n,), r0 + (self.step // self.sde_window_shift_every_n_steps) % (r1 - w - r0 + 1))
+        else:
+            starts = torch.tensor([
+                int(torch.randint(r0, r1 - w + 1, (1,), generator=torch.Generator().manual_seed(int(s) + 2 * NOISE_STREAM)))
+                for s in seeds.tolist()
+            ])
+        cols = torch.arange(t)
+        inside = (cols[None] >= starts[:, None]) & (cols[None] < starts[:, None] + w)
+        levels[inside] = self.noise_level
+        return levels
+
+    @torch.no_grad()
+    def __call__(self, model: FlowModel, batch: PromptBatch, generator: torch.Generator | None = None,
+                 score_fn: ScoreFn | None = None) -> Rollout:
+        # 1. Prompts
+        guidance = self.guidance_scale if self.guidance_scale is not None else model.default_guidance_scale
+        cond = model.encode(batch.prompts, self.negative_prompt, guidance)
+        # 2. Initial noise, one generator per sample
+        seeds = batch_seeds(batch, generator)
+        init_seeds = latent_seeds(seeds, batch.group_ids, self.same_latent)
+        latents = model.prepare_latents(
+            len(seeds), self.height, self.width, sample_generators(init_seeds, model.device), self.num_frames
+        )
+        # 3. Time grid and per-transition noise levels
+        sigmas = self.grid(model).to(model.device)  # [T+1]
+        levels = self.noise_levels(seeds).to(model.device)  # [N, T]
+        # 4. Denoising loop
+        noise_generators = sample_generators(seeds, model.device, offset=NOISE_STREAM)
+        trajectory, log_probs = integrate(
+            model, latents, sigmas, cond, guidance, levels, self.kind, noise_generators, self.log_prob_mode
+        )
+        # 5. Decode
+        images = model.decode(trajectory[:, -1]) if self.decode else torch.empty(0)
+        return Rollout(
+            latents=trajectory, log_probs=log_probs, sigmas=sigmas.float(), images=images,
+            group_ids=batch.group_ids, prompts=list(batch.prompts), cond=cond, noise_levels=levels, kind=self.kind,
+            guidance_scale=guidance, metadata=list(batch.metadata), extras={"seeds": seeds},
+        )

@@ -43,7 +43,7 @@ def _run_sample(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure speed; writes JSON with side-by-side ratios")
-    p.add_argument("what", choices=["rollout"], help="which benchmark")
+    p.add_argument("what", choices=["rollout", "rewards"], help="which benchmark")
     p.add_argument("--json", required=True, help="output JSON path")
     p.add_argument("--repeats", type=int, default=5)
 
@@ -69,10 +69,147 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_sets(pairs: list[str] | None) -> dict:
+    """`--set key=value` pairs -> kwargs; values are JSON when they parse (numbers, true, null, lists), else strings."""
+    import json
+
+    kwargs = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {pair!r} is not key=value; write e.g. --set checkpoint=/path/model.pt")
+        try:
+            kwargs[key] = json.loads(value)
+        except ValueError:
+            kwargs[key] = value
+    return kwargs
+
+
+def _build_reward(name: str, pairs: list[str] | None, device: str | None, dtype: str):
+    import torch
+
+    from flowrl.registry import REWARDS
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return REWARDS.build(name, device=device, dtype=getattr(torch, dtype), **_parse_sets(pairs))
+
+
+def _add_rewards(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("rewards", help="list the registered rewards")
+    p.add_argument("action", choices=["list"])
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _run_rewards(args: argparse.Namespace) -> int:
+    import json
+    from importlib.metadata import PackageNotFoundError, version
+
+    from flowrl.registry import REWARDS
+
+    def installed(package: str) -> bool:
+        try:
+            version(package)
+        except PackageNotFoundError:
+            return False
+        return True
+
+    rows = []
+    for name in REWARDS.names():
+        cls = REWARDS.get(name)
+        extras = list(getattr(cls, "extra_requires", ()))
+        rows.append({
+            "name": name, "modalities": list(cls.modalities), "differentiable": bool(cls.differentiable),
+            "extra_requires": extras, "installed": all(installed(e) for e in extras),
+            "missing": [e for e in extras if not installed(e)],
+        })
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'name':<24} {'modalities':<12} {'diff':<5} {'extras':<28} installed")
+    for r in rows:
+        extras = ",".join(r["extra_requires"]) or "-"
+        state = "yes" if r["installed"] else "no (missing " + ",".join(r["missing"]) + ")"
+        print(f"{r['name']:<24} {','.join(r['modalities']):<12} {'yes' if r['differentiable'] else 'no':<5} {extras:<28} {state}")
+    return 0
+
+
+def _add_score(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("score", help="score image or video files with one reward (check a reward before training on it)")
+    p.add_argument("--reward", required=True, help="registered name or dotted path")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="reward config, e.g. --set checkpoint=/path")
+    p.add_argument("--prompt", action="append", required=True, help="one prompt for all files, or one per file (repeat)")
+    p.add_argument("files", nargs="+", help="PNG/JPEG images; GIF/MP4 or folders of frames for video rewards")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def _run_score(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    import torch
+
+    from flowrl import media
+    from flowrl.rewards.contract import nan_to_none, score_checked
+
+    prompts = args.prompt * len(args.files) if len(args.prompt) == 1 else args.prompt
+    if len(prompts) != len(args.files):
+        raise ValueError(f"--prompt given {len(args.prompt)} times for {len(args.files)} files; give one prompt, or one per file")
+    reward = _build_reward(args.reward, args.set, args.device, args.dtype)
+    video = "image" not in reward.modalities or all(f.lower().endswith(media.VIDEO_SUFFIXES) or os.path.isdir(f) for f in args.files)
+    images = media.load_videos(args.files) if video else media.load_images(args.files)
+    try:
+        with torch.no_grad():
+            out = score_checked(reward, images, prompts, [{} for _ in prompts])
+    except RuntimeError as err:  # a failing reward, named with the sample index; a remote that cannot be reached
+        print(f"flowrl score: error: {err}", file=sys.stderr)
+        return 1
+    scores = nan_to_none(out.scores.cpu().tolist())
+    if args.json:
+        parts = {k: nan_to_none(v.float().cpu().tolist()) for k, v in out.parts.items()}
+        print(json.dumps([{"file": f, "score": s, **{k: v[i] for k, v in parts.items()}} for i, (f, s) in enumerate(zip(args.files, scores))], indent=2))
+    else:
+        for f, s in zip(args.files, scores):
+            print(f"{'n/a' if s is None else f'{s:.6g}'}\t{f}")
+    return 0
+
+
+def _add_serve_reward(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve-reward", help="serve one registered reward over HTTP for the `remote` reward")
+    p.add_argument("reward", help="registered name or dotted path")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="reward config, e.g. --set checkpoint=/path")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
+    p.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed at start)")
+    p.add_argument("--token", default=None, help="require `Authorization: Bearer TOKEN` on every request")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def _run_serve_reward(args: argparse.Namespace) -> int:
+    from flowrl.rewards.reward_server import make_server
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
+        print(f"flowrl serve-reward: warning: listening on {args.host} without --token", file=sys.stderr)
+    server = make_server(_build_reward(args.reward, args.set, args.device, args.dtype), args.host, args.port, args.token)
+    host, port = server.server_address[:2]
+    print(f"flowrl serve-reward: serving {args.reward} on http://{host}:{port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 COMMANDS = {
     "sample": (_add_sample, _run_sample),
     "bench": (_add_bench, _run_bench),
     "demo": (_add_demo, _run_demo),
+    "rewards": (_add_rewards, _run_rewards),
+    "score": (_add_score, _run_score),
+    "serve-reward": (_add_serve_reward, _run_serve_reward),
 }
 
 

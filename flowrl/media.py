@@ -1,0 +1,91 @@
+"""Image and video files <-> float tensors in [0, 1]: PNG/JPEG images, GIF/MP4 videos, folders of frames,
+and PNG bytes for the remote reward protocol.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import torch
+from PIL import Image, ImageSequence
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_SUFFIXES = (".gif", ".mp4", ".webm", ".mov")
+
+
+def _to_tensor(image: Image.Image) -> torch.Tensor:
+    array = np.asarray(image.convert("RGB"), dtype=np.uint8)  # [H, W, 3]
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255.0  # [3, H, W]
+
+
+def load_image(path: str) -> torch.Tensor:
+    """One image file as [3, H, W] float32 in [0, 1]."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"image file {path!r} does not exist; pass an existing PNG or JPEG")
+    with Image.open(path) as image:
+        return _to_tensor(image)
+
+
+def _stack(tensors: list[torch.Tensor], paths: list[str], what: str) -> torch.Tensor:
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) > 1:
+        raise ValueError(f"{what} have different sizes {sorted(shapes)} ({paths[0]} ...); resize them to one size or score them separately")
+    return torch.stack(tensors)
+
+
+def load_images(paths: list[str]) -> torch.Tensor:
+    """Image files of one size as [N, 3, H, W] float32 in [0, 1]."""
+    return _stack([load_image(p) for p in paths], paths, "images")
+
+
+def load_video(path: str) -> torch.Tensor:
+    """A GIF/MP4 file or a folder of frame images (sorted by name) as [F, 3, H, W] float32 in [0, 1]."""
+    if os.path.isdir(path):
+        frames = sorted(os.path.join(path, f) for f in os.listdir(path) if f.lower().endswith(IMAGE_SUFFIXES))
+        if not frames:
+            raise FileNotFoundError(f"video folder {path!r} holds no frame images ({', '.join(IMAGE_SUFFIXES)}); put the frames there")
+        return _stack([load_image(f) for f in frames], frames, "frames")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"video {path!r} does not exist; pass a GIF/MP4 file or a folder of frames")
+    if path.lower().endswith(".gif"):
+        with Image.open(path) as gif:
+            return torch.stack([_to_tensor(frame) for frame in ImageSequence.Iterator(gif)])  # [F, 3, H, W]
+    if path.lower().endswith(VIDEO_SUFFIXES):
+        import imageio.v3 as iio
+
+        array = iio.imread(path, plugin="FFMPEG" if _has_ffmpeg() else None)  # [F, H, W, 3] uint8
+        return torch.from_numpy(np.ascontiguousarray(array[..., :3])).permute(0, 3, 1, 2).float() / 255.0
+    raise ValueError(f"video {path!r} has an unknown suffix; use one of {VIDEO_SUFFIXES} or a folder of frames")
+
+
+def load_videos(paths: list[str]) -> torch.Tensor:
+    """Videos of one size and length as [N, F, 3, H, W] float32 in [0, 1]."""
+    return _stack([load_video(p) for p in paths], paths, "videos")
+
+
+def _has_ffmpeg() -> bool:
+    try:
+        import imageio_ffmpeg  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """[..., 3, H, W] in [0, 1] -> uint8, rounded as PIL and DDPO do."""
+    return (images.detach() * 255).round().clamp(0, 255).to(torch.uint8)
+
+
+def encode_png(image: torch.Tensor) -> bytes:
+    """[3, H, W] in [0, 1] -> PNG bytes (8-bit, so values are rounded to k/255)."""
+    buffer = io.BytesIO()
+    Image.fromarray(to_uint8(image).permute(1, 2, 0).cpu().numpy()).save(buffer, format="PNG", compress_level=1)
+    return buffer.getvalue()
+
+
+def decode_png(data: bytes) -> torch.Tensor:
+    """PNG bytes -> [3, H, W] float32 in [0, 1]."""
+    with Image.open(io.BytesIO(data)) as image:
+        return _to_tensor(image)

@@ -1,0 +1,75 @@
+"""One contract test over every registered reward (DESIGN.md "Contracts"), on tiny random weights in the
+official checkpoint formats, loaded by each plugin's own loading code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import REWARD_FACTORIES
+
+from flowrl.registry import REWARDS
+from flowrl.types import RewardOutput
+
+PROMPTS = ['a sign that says "hello"', "a red cube on a table", 'the word "flow"']
+
+
+def _build(name: str, tiny_reward_kwargs):
+    if name in REWARD_FACTORIES:
+        return REWARDS.build(name, device="cpu", dtype=torch.float32, **tiny_reward_kwargs(name))
+    if name.startswith("toy_"):
+        try:
+            return REWARDS.build(name, device="cpu", dtype=torch.float32)
+        except FileNotFoundError as err:
+            pytest.skip(f"{name}: shipped weights missing: {err}")
+    pytest.fail(f"reward {name!r} has no tiny-checkpoint factory; add one to tests/rewards/conftest.py REWARD_FACTORIES")
+
+
+def _inputs(reward, n: int = 3) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    shape = (n, 3, 40, 36) if "image" in reward.modalities else (n, 4, 3, 40, 36)
+    return torch.randint(0, 256, shape, generator=generator).float() / 255  # k/255 values survive PNG transport
+
+
+@pytest.mark.parametrize("name", REWARDS.names())
+def test_reward_contract(name, tiny_reward_kwargs):
+    cls = REWARDS.get(name)
+    assert isinstance(cls.modalities, tuple) and set(cls.modalities) <= {"image", "video"} and cls.modalities
+    assert isinstance(cls.differentiable, bool)
+    assert isinstance(getattr(cls, "extra_requires", None), tuple)
+    reward = _build(name, tiny_reward_kwargs)
+    images = _inputs(reward)
+    metadata = [{} for _ in PROMPTS]
+
+    out = reward(images, PROMPTS, metadata)
+    assert isinstance(out, RewardOutput)
+    assert out.scores.shape == (3,) and out.scores.dtype == torch.float32 and out.scores.device.type == "cpu"
+    assert not torch.isinf(out.scores).any()
+    assert not out.scores.requires_grad, "scores carry a graph although the images do not require grad"
+    again = reward(images, PROMPTS, metadata).scores
+    assert torch.equal(torch.nan_to_num(again, nan=-123.0), torch.nan_to_num(out.scores, nan=-123.0)), "not deterministic"
+
+    if reward.differentiable:
+        leaf = images.clone().requires_grad_(True)
+        scores = reward(leaf, PROMPTS, metadata).scores
+        assert scores.requires_grad
+        scores.nansum().backward()
+        assert leaf.grad is not None and torch.isfinite(leaf.grad).all() and leaf.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", [n for n in REWARDS.names() if n in REWARD_FACTORIES])
+def test_reward_rejects_bad_input(name, tiny_reward_kwargs):
+    reward = _build(name, tiny_reward_kwargs)
+    images = _inputs(reward, n=2)
+    prompts, metadata = PROMPTS[:2], [{}, {}]
+    with pytest.raises(ValueError, match="shape"):
+        reward(images[0], prompts, metadata)
+    with pytest.raises(ValueError, match="dtype"):
+        reward((images * 255).to(torch.uint8), prompts, metadata)
+    with pytest.raises(ValueError, match="range"):
+        reward(images * 2 - 1, prompts, metadata)
+    with pytest.raises(ValueError, match="empty"):
+        reward(images[:0], [], [])
+    with pytest.raises(ValueError, match="prompts"):
+        reward(images, PROMPTS[:1], metadata)
+    with pytest.raises(ValueError, match="prompts is empty|empty"):
+        reward(images, [], metadata)

@@ -29,15 +29,38 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_sample(args: argparse.Namespace) -> int:
-    from flowrl.sample import sample_to_files
+    import os
+    import re
 
-    paths = sample_to_files(
-        model=args.model, lora=args.lora, prompts=args.prompt, seed=args.seed, num_steps=args.num_steps,
-        guidance_scale=args.guidance_scale, height=args.height, width=args.width, num_frames=args.num_frames,
-        sampler=args.sampler, noise_level=args.noise_level, dtype=args.dtype, device=args.device, out=args.out,
-    )
-    for path in paths:
-        print(path)
+    import torch
+
+    from flowrl import media
+    from flowrl.models import load_flow_model
+    from flowrl.registry import SAMPLERS
+    from flowrl.types import PromptBatch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_flow_model(args.model, dtype=args.dtype, device=device)
+    if args.lora:
+        model.load_lora(args.lora)
+    default_h, default_w, default_f = model.native_size
+    height, width, num_frames = args.height or default_h, args.width or default_w, args.num_frames or default_f
+    options = dict(num_steps=args.num_steps, height=height, width=width, num_frames=num_frames,
+                   guidance_scale=args.guidance_scale)
+    if args.sampler == "sde":
+        options["noise_level"] = args.noise_level
+    sampler = SAMPLERS.get(args.sampler)(**options)
+    prompts = args.prompt
+    batch = PromptBatch(prompts, torch.arange(len(prompts)), seeds=torch.full((len(prompts),), args.seed))
+    rollout = sampler(model, batch)
+    os.makedirs(args.out, exist_ok=True)
+    for i, (prompt, media_tensor) in enumerate(zip(prompts, rollout.images)):
+        stem = os.path.join(args.out, f"{i:03d}_seed{args.seed}_" + re.sub(r"[^a-zA-Z0-9]+", "_", prompt)[:48].strip("_"))
+        if model.is_video:
+            print(media.save_video(media_tensor, stem))
+            print(media.save_strip(media_tensor, stem + "_strip.png"))
+        else:
+            print(media.save_image(media_tensor, stem + ".png"))
     return 0
 
 

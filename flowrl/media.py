@@ -89,3 +89,30 @@ def decode_png(data: bytes) -> torch.Tensor:
     """PNG bytes -> [3, H, W] float32 in [0, 1]."""
     with Image.open(io.BytesIO(data)) as image:
         return _to_tensor(image)
+
+
+def save_image(image: torch.Tensor, path: str) -> str:
+    """[3, H, W] in [0, 1] -> a PNG file."""
+    Image.fromarray(to_uint8(image).permute(1, 2, 0).cpu().numpy()).save(path)
+    return path
+
+
+def save_video(video: torch.Tensor, path_stem: str, fps: int = 8) -> str:
+    """[F, 3, H, W] in [0, 1] -> MP4 (imageio-ffmpeg present), else an animated GIF; returns the path written."""
+    frames = [to_uint8(f).permute(1, 2, 0).cpu().numpy() for f in video]
+    if _has_ffmpeg():
+        import imageio.v2 as imageio
+
+        path = path_stem + ".mp4"
+        # macro_block_size=1 keeps odd sizes (tiny test videos) as they are
+        imageio.mimwrite(path, frames, fps=fps, macro_block_size=1)
+        return path
+    path = path_stem + ".gif"
+    pil = [Image.fromarray(f) for f in frames]
+    pil[0].save(path, save_all=True, append_images=pil[1:], duration=int(1000 / fps), loop=0)
+    return path
+
+
+def save_strip(video: torch.Tensor, path: str) -> str:
+    """[F, 3, H, W] in [0, 1] -> one PNG with the frames side by side."""
+    return save_image(torch.cat(list(video), dim=-1), path)

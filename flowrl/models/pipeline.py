@@ -69,6 +69,12 @@ class PipelineFlowModel:
     def size_factor(self) -> int:
         raise NotImplementedError
 
+    @property
+    def native_size(self) -> tuple[int, int, int | None]:
+        """(height, width, num_frames) the pipeline generates when none are given."""
+        side = int(getattr(self.pipe, "default_sample_size", 64)) * int(getattr(self.pipe, "vae_scale_factor", 8))
+        return side, side, None
+
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
         raise NotImplementedError
 

@@ -41,6 +41,10 @@ class WanFlowModel(PipelineFlowModel):
             cond["negative_prompt_embeds"] = neg_embeds
         return cond
 
+    @property
+    def native_size(self) -> tuple[int, int, int | None]:
+        return 480, 832, 81  # WanPipeline's defaults
+
     def size_factor(self) -> int:
         return self.pipe.vae_scale_factor_spatial * self.pipe.transformer.config.patch_size[1]
 

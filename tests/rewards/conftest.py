@@ -126,6 +126,14 @@ def _remote(folder: Path) -> dict[str, Any]:
 
 _SERVERS: list = []
 
+
+def _artifact(folder: Path) -> dict[str, Any]:
+    from flowrl.rewards.artifact import ArtifactCNN, save_artifact_classifier
+
+    torch.manual_seed(0)
+    save_artifact_classifier(ArtifactCNN(image_size=32, channels=(8, 16)), str(folder / "artifact.safetensors"))
+    return {"checkpoint": str(folder / "artifact.safetensors")}
+
 REWARD_FACTORIES: dict[str, Callable[[Path], dict[str, Any]]] = {
     "jpeg_compressibility": lambda folder: {},
     "jpeg_incompressibility": lambda folder: {},
@@ -137,6 +145,7 @@ REWARD_FACTORIES: dict[str, Callable[[Path], dict[str, Any]]] = {
     "per_frame": _per_frame,
     "temporal_consistency": _temporal,
     "remote": _remote,
+    "artifact": _artifact,
 }
 
 

@@ -11,14 +11,19 @@ from pathlib import Path
 from typing import Callable
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Best wall time of `repeats` calls after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+def best_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best wall time of each function over `repeats` rounds, after one warm-up call each.
+
+    The functions are interleaved within each round, so that load from other processes hits them alike.
+    """
+    for fn in fns.values():
         fn()
-        best = min(best, time.perf_counter() - start)
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -50,9 +55,9 @@ def bench_rollout(repeats: int = 5, height: int = 64, width: int = 64, num_steps
                                   guidance_scale=guidance, generator=gens, output_type="pt")
 
             with torch.no_grad():
-                pipeline_s = best_time(pipeline, repeats)
-                ode_s = best_time(lambda: ode(model, batch), repeats)
-                sde_s = best_time(lambda: sde(model, batch), repeats)
+                times = best_times({"pipeline": pipeline, "ode": lambda: ode(model, batch), "sde": lambda: sde(model, batch)},
+                                   repeats)
+            pipeline_s, ode_s, sde_s = times["pipeline"], times["ode"], times["sde"]
             result[family] = {
                 "pipeline_s": round(pipeline_s, 5), "ode_s": round(ode_s, 5), "sde_s": round(sde_s, 5),
                 "ode_over_pipeline": round(ode_s / pipeline_s, 3), "sde_over_pipeline": round(sde_s / pipeline_s, 3),

@@ -1,0 +1,204 @@
+"""The embedded toy model: a text-conditioned flow-matching UNet over the Shapes world's 32x32 pixels.
+
+Denoiser: diffusers' `UNet2DConditionModel` in pixel space (latents are the pixels in [-1, 1]), cross-attention
+at 8x8 and 4x4 only. A quick measurement on 2 CPU cores (batch 64, fwd+bwd): cross-attention at 16x16 costs
+2.9 s/step, the 8x8-only UNet with 16-32-64 channels 0.45 s/step, an SD3Transformer2DModel with patch 2
+0.85 s/step (ENVIRONMENT.md) and its patch-4 variant draws 4x4 blocks; the convolutional net is the one that
+learns crisp shapes inside the 30-minute budget.
+
+Text encoder: a tiny transformers `CLIPTextModel` over a word-level vocabulary of the grammar (the grammar is
+closed, so one token per word is exact and needs no tokenizer file); its contextual embeddings let
+cross-attention bind "red" to "circles". It is trained jointly during pretraining and frozen afterwards.
+Training drops the prompt to "" 10% of the time, so classifier-free guidance is meaningful.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flowrl.sde import scheduler_sigmas
+from flowrl.toy.world import COLOURS, COUNTS, IMAGE_SIZE, SHAPES, parse_prompt
+from flowrl.types import Cond
+
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "toy" / "weights"
+MODEL_FILE = "toy_model.safetensors"
+MANIFEST_FILE = "manifest.json"
+REBUILD_SCRIPT = {
+    "toy_model.safetensors": "scripts/pretrain_toy.py",
+    "toy_attributes.safetensors": "scripts/train_toy_judges.py --judge attributes",
+    "toy_artifact.safetensors": "scripts/train_toy_judges.py --judge artifact",
+}
+
+# word-level vocabulary: special tokens, then every word of the grammar (singular and plural shapes)
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+VOCAB = {word: i for i, word in enumerate(SPECIAL_TOKENS + COUNTS + COLOURS + SHAPES + tuple(s + "s" for s in SHAPES))}
+MAX_LENGTH = 5  # <bos> count colour shape <eos>
+
+UNET_CONFIG = dict(
+    sample_size=IMAGE_SIZE, in_channels=3, out_channels=3, block_out_channels=(16, 32, 64), layers_per_block=1,
+    down_block_types=("DownBlock2D", "DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D", "UpBlock2D"),
+    cross_attention_dim=64, attention_head_dim=8, norm_num_groups=8,
+)
+TEXT_CONFIG = dict(
+    vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+    max_position_embeddings=MAX_LENGTH, pad_token_id=0, bos_token_id=1, eos_token_id=2, projection_dim=64,
+)
+SCHEDULER_CONFIG = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0}
+DEFAULT_NUM_STEPS = 10
+DEFAULT_GUIDANCE_SCALE = 3.0
+
+
+def tokenize(prompts: list[str]) -> torch.Tensor:
+    """Token ids [N, MAX_LENGTH]; "" is the unconditional prompt, anything else must parse in the grammar."""
+    rows = []
+    for prompt in prompts:
+        words = [] if prompt.strip() == "" else parse_prompt(prompt).prompt.split()
+        ids = [VOCAB["<bos>"]] + [VOCAB[w] for w in words] + [VOCAB["<eos>"]]
+        rows.append(ids + [VOCAB["<pad>"]] * (MAX_LENGTH - len(ids)))
+    return torch.tensor(rows, dtype=torch.long)  # [N, L]
+
+
+def build_unet():
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(**UNET_CONFIG)
+
+
+def build_text_encoder():
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    return CLIPTextModel(CLIPTextConfig(**TEXT_CONFIG))
+
+
+class ToyFlowModel:
+    """FlowModel over the Shapes world (flowrl.types.FlowModel); latents [N, 3, 32, 32] are pixels in [-1, 1]."""
+
+    family = "toy"
+    is_video = False
+    default_num_steps = DEFAULT_NUM_STEPS
+    default_guidance_scale = DEFAULT_GUIDANCE_SCALE
+
+    def __init__(self, transformer, text_encoder, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.transformer = transformer.to(self.device, dtype).eval()  # the UNet; training updates it
+        self.text_encoder = text_encoder.to(self.device, dtype).eval().requires_grad_(False)
+        self._cache: dict[str, torch.Tensor] = {}  # prompt -> [L, D]
+
+    # -- conditioning -------------------------------------------------------------------------------------
+    def embed(self, prompts: list[str]) -> torch.Tensor:
+        """Text embeddings [N, L, D] through the text encoder (with grad if the caller allows it)."""
+        ids = tokenize(prompts).to(self.device)  # [N, L]
+        return self.text_encoder(input_ids=ids).last_hidden_state
+
+    def _cached(self, prompts: list[str]) -> torch.Tensor:
+        missing = sorted({p for p in prompts if p not in self._cache})
+        if missing:
+            with torch.no_grad():
+                for prompt, row in zip(missing, self.embed(missing)):
+                    self._cache[prompt] = row
+        return torch.stack([self._cache[p] for p in prompts])  # [N, L, D]
+
+    def encode(self, prompts: list[str], negative_prompt: str = "", guidance_scale: float = 1.0) -> Cond:
+        cond = {"prompt_embeds": self._cached(list(prompts))}  # [N, L, D]
+        if guidance_scale > 1.0:
+            cond["negative_prompt_embeds"] = self._cached([negative_prompt] * len(prompts))  # [N, L, D]
+        return cond
+
+    # -- geometry and time ------------------------------------------------------------------------------
+    def latent_shape(self, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE, num_frames: int | None = None) -> tuple[int, ...]:
+        if height % 8 or width % 8 or height <= 0 or width <= 0:
+            raise ValueError(f"toy model height={height} width={width}: use positive multiples of 8 (trained at 32)")
+        return (3, height, width)
+
+    def prepare_latents(self, num: int, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE, generator=None, num_frames=None) -> torch.Tensor:
+        shape = self.latent_shape(height, width)
+        if isinstance(generator, list):
+            return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generator]).to(self.device)
+        return torch.randn((num, *shape), generator=generator, dtype=torch.float32).to(self.device)  # [N, 3, H, W]
+
+    def sigmas(self, num_steps: int, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE, num_frames=None) -> torch.Tensor:
+        """[T+1]: FLUX-style custom grid linspace(1, 1/T, T) through the scheduler, then 0 (all steps useful)."""
+        grid = np.linspace(1.0, 1.0 / num_steps, num_steps)
+        return scheduler_sigmas(SCHEDULER_CONFIG, num_steps, sigmas=grid)
+
+    # -- denoiser ---------------------------------------------------------------------------------------
+    def velocity(self, latents: torch.Tensor, sigma: float | torch.Tensor, cond: Cond, guidance_scale: float = 1.0) -> torch.Tensor:
+        n = latents.shape[0]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n)  # [N]
+        embeds = cond["prompt_embeds"]
+        x = latents.to(self.dtype)
+        if guidance_scale > 1.0:
+            if "negative_prompt_embeds" not in cond:
+                raise ValueError(f"guidance_scale={guidance_scale} needs cond from encode(..., guidance_scale={guidance_scale})")
+            embeds = torch.cat([cond["negative_prompt_embeds"], embeds])  # [2N, L, D]
+            x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
+        out = self.transformer(x, sigma * 1000.0, encoder_hidden_states=embeds.to(self.dtype)).sample.float()
+        if guidance_scale > 1.0:
+            uncond, text = out.chunk(2)
+            return uncond + guidance_scale * (text - uncond)  # [N, 3, H, W]
+        return out
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return (latents.float() / 2 + 0.5).clamp(0, 1)  # [N, 3, H, W]
+
+    def adapter_disabled(self):
+        return contextlib.nullcontext()
+
+
+# ---- shipped weights ------------------------------------------------------------------------------------
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def verified_weights(name: str, weights_dir: Path | None = None) -> Path:
+    """Path of a shipped weight file after checking it against the manifest's size and sha256."""
+    weights_dir = Path(weights_dir) if weights_dir is not None else WEIGHTS_DIR
+    path = weights_dir / name
+    script = REBUILD_SCRIPT.get(name, "the script named in manifest.json")
+    if not path.is_file():
+        raise FileNotFoundError(f"toy weights {path} are missing; rebuild them with `python {script}`")
+    manifest_path = weights_dir / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"toy weights manifest {manifest_path} is missing; rebuild it with `python {script}`")
+    entry = json.loads(manifest_path.read_text()).get(name)
+    if entry is None:
+        raise ValueError(f"toy weights {path} have no entry in {manifest_path}; rebuild them with `python {script}`")
+    size = path.stat().st_size
+    if size != entry["size"] or file_digest(path) != entry["sha256"]:
+        raise ValueError(
+            f"toy weights {path} are corrupted (size {size} vs {entry['size']} or sha256 mismatch in manifest.json); "
+            f"rebuild them with `python {script}`"
+        )
+    return path
+
+
+def toy_model_from_state_dict(state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> ToyFlowModel:
+    unet, text_encoder = build_unet(), build_text_encoder()
+    unet.load_state_dict({k[len("transformer."):]: v.float() for k, v in state.items() if k.startswith("transformer.")})
+    text_encoder.load_state_dict(
+        {k[len("text_encoder."):]: v.float() for k, v in state.items() if k.startswith("text_encoder.")}, strict=False
+    )
+    return ToyFlowModel(unet, text_encoder, device=device, dtype=dtype)
+
+
+def load_toy_model(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, checkpoint: str | Path | None = None) -> ToyFlowModel:
+    """The shipped toy model (size and sha256 checked), or a checkpoint file written by scripts/pretrain_toy.py."""
+    from safetensors.torch import load_file
+
+    if checkpoint is None:
+        path = verified_weights(MODEL_FILE)
+    else:
+        path = Path(checkpoint)
+        if not path.is_file():
+            raise FileNotFoundError(f"toy checkpoint={str(path)!r} does not exist; pass a file written by scripts/pretrain_toy.py")
+    return toy_model_from_state_dict(load_file(str(path)), device=device, dtype=dtype)

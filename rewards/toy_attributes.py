@@ -1,0 +1,43 @@
+"""toy_attributes: the Shapes world's "GenEval" — P(count, colour and shape of the prompt) by the attribute judge.
+
+Score = P(count) * P(colour) * P(shape) for the prompt's attributes under the judge's three softmax heads
+(the heads are trained independently, so the product is the judge's joint). Parts: the three factors.
+Range [0, 1]; differentiable (a plain CNN, the graph is kept). Prompts must be in the Shapes grammar.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flowrl.registry import REWARDS
+from flowrl.types import RewardOutput
+
+
+@REWARDS.register("toy_attributes")
+class ToyAttributesReward:
+    modalities = ("image",)
+    differentiable = True
+    extra_requires = ()
+
+    def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, checkpoint: str | None = None):
+        from flowrl.toy.judges import load_judge
+
+        self.device, self.dtype = torch.device(device), dtype
+        self.judge = load_judge("attributes", checkpoint, device=self.device, dtype=dtype)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None) -> RewardOutput:
+        from flowrl.toy.judges import judge_input
+        from flowrl.toy.world import parse_prompt
+
+        if len(prompts) != images.shape[0]:
+            raise ValueError(f"toy_attributes: {images.shape[0]} images but {len(prompts)} prompts; give one prompt per image")
+        labels = torch.tensor([parse_prompt(p).labels for p in prompts], device=self.device)  # [N, 3]
+        logits = self.judge(judge_input(images.to(self.device), self.dtype))
+        parts = {
+            name: logits[name].float().softmax(dim=1).gather(1, labels[:, i : i + 1]).squeeze(1)  # [N]
+            for i, name in enumerate(("count", "colour", "shape"))
+        }
+        scores = parts["count"] * parts["colour"] * parts["shape"]  # [N]
+        return RewardOutput(scores=scores, parts=parts)

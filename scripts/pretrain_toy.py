@@ -1,0 +1,166 @@
+"""Pretrain the toy flow model on fresh Shapes renders of the training split (rectified flow, velocity loss).
+
+    python scripts/pretrain_toy.py                 # the shipped model: writes flowrl/toy/weights/toy_model.safetensors
+    python scripts/pretrain_toy.py --quick         # a test-sized run (tiny batch, few steps) into a temporary folder
+
+Each step draws a batch of new scenes (infinite data), a logit-normal sigma per image and a Gaussian noise,
+and regresses the UNet's output on `eps - x0` at `x = (1 - sigma) x0 + sigma eps`; the prompt is dropped to ""
+with probability --cond-dropout so that CFG works. The text encoder trains jointly. Learning rate: linear
+warm-up then constant, so stopping a run at step k gives the same weights as `--steps k`. The exponential
+moving average (EMA) of the weights is what gets saved, in float16. Everything is seeded by --seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from flowrl.models.toy import MANIFEST_FILE, MODEL_FILE, WEIGHTS_DIR, build_text_encoder, build_unet, file_digest, tokenize
+from flowrl.toy.world import random_batch
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2400; --quick: 30)")
+    p.add_argument("--batch-size", type=int, default=None, help="images per step (default 64; --quick: 16)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--ema-decay", type=float, default=None, help="default 0.998 (--quick: 0)")
+    p.add_argument("--cond-dropout", type=float, default=0.1, help="probability of training on the empty prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--save-every-n-steps", type=int, default=0, help="also write checkpoints/step_XXXXXX.safetensors")
+    p.add_argument("--out", default=None, help=f"output folder (default {WEIGHTS_DIR}; --quick: a temporary folder)")
+    p.add_argument("--quick", action="store_true", help="test-sized run: 30 steps of batch 16, no EMA")
+    args = p.parse_args(argv)
+    defaults = dict(steps=30, batch_size=16, ema_decay=0.0) if args.quick else dict(steps=2400, batch_size=64, ema_decay=0.998)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.steps < 1 or args.batch_size < 1:
+        raise ValueError(f"--steps={args.steps} and --batch-size={args.batch_size} must be >= 1")
+    if not 0.0 <= args.ema_decay < 1.0:
+        raise ValueError(f"--ema-decay={args.ema_decay} must be in [0, 1)")
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="toy_pretrain_") if args.quick else str(WEIGHTS_DIR)
+    return args
+
+
+class ToyDenoiser(torch.nn.Module):
+    """UNet + text encoder as one module, so one optimizer and one EMA cover both."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = build_unet()
+        self.text_encoder = build_text_encoder()
+
+    def forward(self, latents: torch.Tensor, sigma: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        embeds = self.text_encoder(input_ids=input_ids).last_hidden_state  # [N, L, D]
+        return self.transformer(latents, sigma * 1000.0, encoder_hidden_states=embeds).sample  # [N, 3, H, W]
+
+
+def training_batch(num: int, cond_dropout: float, generator: torch.Generator):
+    images, specs = random_batch(num, "train", generator)  # [N, 3, 32, 32] in [0, 1]
+    x0 = images * 2 - 1
+    prompts = [spec.prompt for spec in specs]
+    drop = torch.rand(num, generator=generator) < cond_dropout  # [N]
+    prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
+    sigma = torch.sigmoid(torch.randn(num, generator=generator))  # [N] logit-normal(0, 1)
+    noise = torch.randn(x0.shape, generator=generator)  # [N, 3, 32, 32]
+    s = sigma[:, None, None, None]
+    return (1 - s) * x0 + s * noise, sigma, tokenize(prompts), noise - x0
+
+
+def fixed_eval_batch(seed: int):
+    """64 training-split scenes with sigmas spread over (0, 1): the loss every run reports, before and after."""
+    generator = torch.Generator().manual_seed(seed + 12345)
+    images, specs = random_batch(64, "train", generator)
+    x0 = images * 2 - 1
+    sigma = torch.linspace(0.05, 0.95, 64)  # [64]
+    noise = torch.randn(x0.shape, generator=generator)
+    s = sigma[:, None, None, None]
+    return (1 - s) * x0 + s * noise, sigma, tokenize([spec.prompt for spec in specs]), noise - x0
+
+
+@torch.no_grad()
+def eval_loss(net: torch.nn.Module, batch) -> float:
+    latents, sigma, ids, target = batch
+    return torch.nn.functional.mse_loss(net(latents, sigma, ids), target).item()
+
+
+def state_for_file(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to(torch.float16).contiguous() for k, v in net.state_dict().items()}
+
+
+def write_manifest_entry(out: Path, name: str, entry: dict) -> None:
+    path = out / MANIFEST_FILE
+    manifest = json.loads(path.read_text()) if path.is_file() else {}
+    manifest[name] = entry
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    command = "python scripts/pretrain_toy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    print(f"command: {command}\nseed: {args.seed}  steps: {args.steps}  batch: {args.batch_size}  out: {args.out}", flush=True)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)  # parameter initialisation
+    generator = torch.Generator().manual_seed(args.seed)  # data, sigmas, noise, dropout
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    net = ToyDenoiser().train()
+    ema = copy.deepcopy(net).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=1e-4)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup_steps))
+    eval_batch = fixed_eval_batch(args.seed)
+    loss_before = eval_loss(net, eval_batch)
+    print(f"eval loss before: {loss_before:.4f}", flush=True)
+
+    start, running = time.time(), []
+    for step in range(1, args.steps + 1):
+        latents, sigma, ids, target = training_batch(args.batch_size, args.cond_dropout, generator)
+        loss = torch.nn.functional.mse_loss(net(latents, sigma, ids), target)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        decay = min(args.ema_decay, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for p_ema, p in zip(ema.parameters(), net.parameters()):
+                p_ema.lerp_(p, 1 - decay)
+        running.append(loss.item())
+        if step % 50 == 0 or step == args.steps:
+            print(f"step {step} loss {sum(running) / len(running):.4f} {(time.time() - start) / step:.2f}s/step", flush=True)
+            running = []
+        if args.save_every_n_steps and step % args.save_every_n_steps == 0:
+            (out / "checkpoints").mkdir(exist_ok=True)
+            save_file(state_for_file(ema), str(out / "checkpoints" / f"step_{step:06d}.safetensors"))
+
+    final = ema if args.ema_decay > 0 else net
+    loss_after = eval_loss(final.eval(), eval_batch)
+    seconds = time.time() - start
+    print(f"eval loss after: {loss_after:.4f}  ({seconds / 60:.1f} min)", flush=True)
+    path = out / MODEL_FILE
+    save_file(state_for_file(final), str(path), metadata={"command": command, "seed": str(args.seed)})
+    entry = {"sha256": file_digest(path), "size": path.stat().st_size, "command": command, "seed": args.seed,
+             "steps": args.steps, "eval_loss_before": round(loss_before, 4), "eval_loss_after": round(loss_after, 4),
+             "train_minutes": round(seconds / 60, 1), "threads": args.threads}
+    write_manifest_entry(out, MODEL_FILE, entry)
+    print(json.dumps(entry), flush=True)
+    return entry
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Train the Shapes world's judges on fresh renders and measure them on held-out renders.
+
+    python scripts/train_toy_judges.py --judge attributes   # -> flowrl/toy/weights/toy_attributes.safetensors
+    python scripts/train_toy_judges.py --judge artifact     # -> flowrl/toy/weights/toy_artifact.safetensors
+    python scripts/train_toy_judges.py --judge attributes --evaluate-only   # accuracy of the shipped judge
+
+Training data are endless new scenes of all 36 combinations (the judges must know every combination),
+softened like model samples (slight blur, faint noise). The artifact judge sees half clean scenes and half
+scenes with one corruption each (noise, blocking, stripes, saturation). Held-out accuracy is measured on
+scenes drawn from a generator seeded apart from training (seed + 1,000,000), raw and softened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from flowrl.models.toy import WEIGHTS_DIR, file_digest
+from flowrl.toy.judges import ARTIFACT_FILE, ATTRIBUTE_FILE, ArtifactJudge, AttributeJudge, load_judge
+from flowrl.toy.world import CORRUPTIONS, corrupt, random_batch, soften
+
+HEADS = ("count", "colour", "shape")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--judge", required=True, choices=["attributes", "artifact"])
+    p.add_argument("--steps", type=int, default=None, help="default 1500 (attributes) / 800 (artifact); --quick: 20")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--num-eval", type=int, default=2000, help="held-out scenes for the accuracy report")
+    p.add_argument("--out", default=None, help=f"output folder (default {WEIGHTS_DIR}; --quick: a temporary folder)")
+    p.add_argument("--quick", action="store_true", help="test-sized run: 20 steps, 256 eval scenes")
+    p.add_argument("--evaluate-only", action="store_true", help="measure the judge in --out (or the shipped one)")
+    args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 20 if args.quick else {"attributes": 1500, "artifact": 800}[args.judge]
+    if args.quick:
+        args.num_eval = min(args.num_eval, 256)
+    if args.steps < 1 or args.batch_size < 2:
+        raise ValueError(f"--steps={args.steps} must be >= 1 and --batch-size={args.batch_size} >= 2")
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="toy_judge_") if args.quick else str(WEIGHTS_DIR)
+    return args
+
+
+def attribute_batch(num: int, generator: torch.Generator, augment: bool = True):
+    images, specs = random_batch(num, "all", generator)  # [N, 3, 32, 32]
+    if augment:
+        images = soften(images, generator)
+    labels = torch.tensor([spec.labels for spec in specs])  # [N, 3] (count, colour, shape)
+    return images, labels
+
+
+def artifact_batch(num: int, generator: torch.Generator, kinds: tuple[str, ...] = CORRUPTIONS):
+    """Half clean (softened) scenes, half corrupted, the corruption kinds cycling; labels [N] 1 = artifact."""
+    images, _ = random_batch(num, "all", generator)
+    num_bad = num // 2
+    clean = soften(images[num_bad:], generator)
+    bad = [corrupt(images[i : i + 1], kinds[i % len(kinds)], generator) for i in range(num_bad)]
+    labels = torch.cat([torch.ones(num_bad), torch.zeros(num - num_bad)])  # [N]
+    return torch.cat(bad + [clean]), labels
+
+
+def attribute_loss(judge: AttributeJudge, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = judge(images)
+    return sum(torch.nn.functional.cross_entropy(logits[h], labels[:, i]) for i, h in enumerate(HEADS))
+
+
+@torch.no_grad()
+def evaluate_attributes(judge: AttributeJudge, num: int, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed + 1_000_000)
+    result = {}
+    for name, augment in (("raw", False), ("softened", True)):
+        correct, total = torch.zeros(3), 0
+        joint = 0
+        for start in range(0, num, 250):
+            images, labels = attribute_batch(min(250, num - start), generator, augment)
+            logits = judge(images)
+            hits = torch.stack([logits[h].argmax(1) == labels[:, i] for i, h in enumerate(HEADS)], 1)  # [N, 3]
+            correct += hits.float().sum(0)
+            joint += hits.all(1).sum().item()
+            total += len(labels)
+        result[name] = {h: round(correct[i].item() / total, 4) for i, h in enumerate(HEADS)}
+        result[name]["all_three"] = round(joint / total, 4)
+    return result
+
+
+@torch.no_grad()
+def evaluate_artifact(judge: ArtifactJudge, num: int, seed: int) -> dict:
+    """Accuracy on clean scenes (raw and softened) and on each corruption separately."""
+    generator = torch.Generator().manual_seed(seed + 1_000_000)
+    images, _ = random_batch(num, "all", generator)
+    sets = {"clean_raw": (images, 0.0), "clean_softened": (soften(images, generator), 0.0)}
+    per_kind = max(1, num // len(CORRUPTIONS))
+    for kind in CORRUPTIONS:
+        sets[kind] = (corrupt(images[:per_kind], kind, generator), 1.0)
+    result = {}
+    for name, (batch, label) in sets.items():
+        predicted = (judge(batch) > 0).float()
+        result[name] = round((predicted == label).float().mean().item(), 4)
+    result["balanced"] = round(0.5 * (result["clean_softened"] + sum(result[k] for k in CORRUPTIONS) / len(CORRUPTIONS)), 4)
+    return result
+
+
+def write_manifest_entry(out: Path, name: str, entry: dict) -> None:
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text()) if path.is_file() else {}
+    manifest[name] = entry
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    command = "python scripts/train_toy_judges.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    name = ATTRIBUTE_FILE if args.judge == "attributes" else ARTIFACT_FILE
+    evaluate = evaluate_attributes if args.judge == "attributes" else evaluate_artifact
+    if args.evaluate_only:
+        checkpoint = None if out == WEIGHTS_DIR else out / name
+        result = evaluate(load_judge(args.judge, checkpoint), args.num_eval, args.seed)
+        print(json.dumps({"judge": args.judge, "heldout_accuracy": result}, indent=2))
+        return result
+
+    print(f"command: {command}\nseed: {args.seed}  steps: {args.steps}  out: {out}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    judge = AttributeJudge() if args.judge == "attributes" else ArtifactJudge()
+    optimizer = torch.optim.AdamW(judge.parameters(), lr=args.lr, weight_decay=1e-4)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    start, running = time.time(), []
+    for step in range(1, args.steps + 1):
+        if args.judge == "attributes":
+            loss = attribute_loss(judge, *attribute_batch(args.batch_size, generator))
+        else:
+            images, labels = artifact_batch(args.batch_size, generator)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(judge(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        running.append(loss.item())
+        if step % 100 == 0 or step == args.steps:
+            print(f"step {step} loss {sum(running) / len(running):.4f} {(time.time() - start) / step:.3f}s/step", flush=True)
+            running = []
+    path = out / name
+    save_file({k: v.detach().half().contiguous() for k, v in judge.state_dict().items()}, str(path),
+              metadata={"command": command, "seed": str(args.seed)})
+    # accuracy of the weights as stored (float16), which is what the rewards load
+    stored = evaluate(load_judge(args.judge, path), args.num_eval, args.seed)
+    entry = {"sha256": file_digest(path), "size": path.stat().st_size, "command": command, "seed": args.seed,
+             "steps": args.steps, "heldout_accuracy": stored, "train_minutes": round((time.time() - start) / 60, 1)}
+    write_manifest_entry(out, name, entry)
+    print(json.dumps(entry, indent=2), flush=True)
+    return entry
+
+
+if __name__ == "__main__":
+    main()

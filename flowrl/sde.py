@@ -209,14 +209,14 @@ def _batch_view(value: torch.Tensor, ndim: int) -> torch.Tensor:
 def x0_from_velocity(x: torch.Tensor, v: torch.Tensor, sigma: float | torch.Tensor) -> torch.Tensor:
     """Clean-sample estimate `x̂0 = x − σ·v` (float32); `sigma` is a float or a per-sample Tensor [N]."""
     x, v = x.float(), v.float()
-    sigma = _batch_view(torch.as_tensor(sigma, dtype=torch.float32, device=x.device), x.ndim)
+    sigma = _batch_view(_as_float32(sigma, "sigma", x.shape[0], x.device), x.ndim)
     return x - sigma * v
 
 
 def noise_from_velocity(x: torch.Tensor, v: torch.Tensor, sigma: float | torch.Tensor) -> torch.Tensor:
     """Noise estimate `ε̂ = x + (1 − σ)·v` (float32); the score estimate is `−ε̂/σ`."""
     x, v = x.float(), v.float()
-    sigma = _batch_view(torch.as_tensor(sigma, dtype=torch.float32, device=x.device), x.ndim)
+    sigma = _batch_view(_as_float32(sigma, "sigma", x.shape[0], x.device), x.ndim)
     return x + (1 - sigma) * v
 
 
@@ -250,15 +250,27 @@ def _check_noise_level(noise_level: float | torch.Tensor, kind: str) -> None:
         raise ValueError(f"noise_level={largest} for kind='cps' must be in [0, 1] (the paper recommends 0.8)")
 
 
-def _as_float32(value: float | torch.Tensor, name: str, num_samples: int | None, device) -> torch.Tensor:
-    """A float or a Tensor [] / [N] as a float32 tensor on `device`; a wrong length raises."""
-    tensor = torch.as_tensor(value, dtype=torch.float32, device=device)
-    if tensor.ndim > 1 or (num_samples is not None and tensor.ndim == 1 and tensor.shape[0] != num_samples):
+def _as_float32(value: float | torch.Tensor, name: str, num_samples: int, device) -> torch.Tensor:
+    """A float or a Tensor [] / [N] as float32; a wrong length raises.
+
+    Scalars stay scalars where they are (a python float becomes a CPU 0-dim tensor, which torch passes to
+    accelerator kernels as an argument, so no host-to-device copy or sync happens per step); per-sample
+    Tensors [N] move to `device` (keep them there to avoid the copy).
+    """
+    tensor = torch.as_tensor(value, dtype=torch.float32)
+    if tensor.ndim > 1 or (tensor.ndim == 1 and tensor.shape[0] != num_samples):
         raise ValueError(
             f"{name} has shape {tuple(tensor.shape)} but the batch has N={num_samples} samples: "
             "pass a float or a Tensor [N]"
         )
-    return tensor
+    return tensor.to(device) if tensor.ndim == 1 else tensor
+
+
+def _per_sample(value: torch.Tensor, num_samples: int, device) -> torch.Tensor:
+    """A scalar or [N] tensor as a contiguous [N] tensor on `device`, reading no accelerator memory."""
+    if value.ndim == 0 and value.device.type == "cpu":
+        return torch.full((num_samples,), float(value), dtype=torch.float32, device=device)
+    return torch.broadcast_to(value.to(device), (num_samples,)).contiguous()
 
 
 def _step_coefficients(
@@ -356,16 +368,21 @@ def sde_step(
         or "cps" (§1.8, coefficients-preserving). See `_step_coefficients` for the exact formulas.
       noise_level: a (flow_grpo, cps) or η (dance), float or Tensor [N], >= 0; 0 gives the Euler step
         exactly for every kind. CPU tensors are validated; tensors on an accelerator are not (no sync).
-      prev_sample: None to sample `x' = μ + s·ξ` with `ξ = torch.randn(..., generator=generator)`
-        (drawn for every kind but "ode", also where s = 0); a Tensor [N, ...] to score that sample
-        (detached) instead, which is then returned unchanged.
+      prev_sample: None to sample `x' = μ + s·ξ`, ξ ~ N(0, I) in float32 (drawn for every kind but
+        "ode", also where s = 0); a Tensor [N, ...] to score that sample (detached) instead, which is then
+        returned unchanged (same object, same dtype).
+      generator: one torch.Generator for the whole batch, or a list of N generators, where row i of ξ comes
+        from generator i (diffusers' per-image seeds; one randn call per sample), or None.
       reduce: "mean" (default, the reference codes' convention) or "sum" of the per-element log-density
         over all non-batch elements.
       log_prob_mode: "gaussian" (exact log-density, default) or "cps_sq", flow_grpo's CPS quirk
         `−mean((x' − μ)²)` (kind "cps" only; Decision 1).
       sigma_max: flow_grpo's first-step rule applies where σ >= sigma_max (σ̃ = σ').
 
-    Returns (prev_sample [N, ...], log_prob [N], mean [N, ...], std [N]), all float32. Where the std is 0
+    Returns (prev_sample [N, ...], log_prob [N], mean [N, ...], std [N]), float32 on x's device (a given
+    prev_sample comes back as it was). Scalars (floats, 0-dim tensors) for sigma, sigma_next and noise_level
+    keep the step free of host-device copies and syncs; per-sample [N] tensors should live on x's device.
+    Where the std is 0
     (kind "ode", a zero noise level, the cps step to σ' = 0) the log_prob is 0 and a drawn prev_sample
     equals the mean. The log_prob is differentiable through `mean` (v and x), never through prev_sample.
     """
@@ -393,7 +410,7 @@ def sde_step(
     noise_t = _as_float32(noise_level, "noise_level", num_samples, device)  # [] or [N]
 
     std, coefficient = _step_coefficients(sigma_t, sigma_next_t, kind, noise_t, sigma_max)
-    std = torch.broadcast_to(std, (num_samples,)).contiguous()  # [N]
+    std = _per_sample(std, num_samples, device)  # [N]
 
     sigma_b = _batch_view(sigma_t, x.ndim)
     step = _batch_view(sigma_next_t - sigma_t, x.ndim)  # Δ = σ' − σ < 0
@@ -465,10 +482,10 @@ def gaussian_kl(
     if mean.ndim < 2:
         raise ValueError(f"mean has shape {tuple(mean.shape)}: means must be [N, ...] with at least one non-batch dim")
     num_samples, device = mean.shape[0], mean.device
-    std_t = torch.broadcast_to(_as_float32(std, "std", num_samples, device), (num_samples,))  # [N]
+    std_t = _per_sample(_as_float32(std, "std", num_samples, device), num_samples, device)  # [N]
     variance = std_t * std_t  # [N]
     if form == "code" and dt is not None:
-        dt_t = torch.broadcast_to(_as_float32(dt, "dt", num_samples, device), (num_samples,))  # [N]
+        dt_t = _per_sample(_as_float32(dt, "dt", num_samples, device), num_samples, device)  # [N]
         variance = variance / torch.where(dt_t > 0, dt_t, torch.ones_like(dt_t))
     reduce = reduce or ("sum" if form == "paper" else "mean")
     squared = (mean.float() - ref_mean.float()).flatten(1) ** 2  # [N, D]

@@ -319,6 +319,48 @@ def test_zero_std_samples_in_a_batch_score_zero_and_keep_the_mean():
     assert torch.equal(log_prob, torch.zeros(4))
 
 
+def test_per_sample_generators_draw_row_i_from_generator_i():
+    x, v = torch.zeros(3, 2, 2), torch.zeros(3, 2, 2)  # [N, H, W]
+    generators = [torch.Generator().manual_seed(seed) for seed in (5, 6, 7)]
+    prev, _, mean, std = sde.sde_step(v, x, 0.5, 0.3, "dance", 0.4, generator=generators)
+    expected = torch.stack([torch.randn(2, 2, generator=torch.Generator().manual_seed(seed)) for seed in (5, 6, 7)])
+    assert torch.allclose((prev - mean) / std[:, None, None], expected, atol=1e-5)
+    with pytest.raises(ValueError, match="generators") as error:
+        sde.sde_step(v, x, 0.5, 0.3, "dance", 0.4, generator=generators[:2])
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kind", sde.KINDS)
+def test_scalar_and_per_sample_inputs_give_identical_steps(kind):
+    x = torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(15))  # [N, C, L]
+    v = torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(16))
+    level = 0.0 if kind == "ode" else 0.6
+    scalar = sde.sde_step(v, x, 0.7, 0.55, kind, level, generator=torch.Generator().manual_seed(17))
+    per_sample = sde.sde_step(
+        v, x, torch.full((4,), 0.7), torch.tensor(0.55), kind, torch.full((4,), level),
+        generator=torch.Generator().manual_seed(17),
+    )
+    for ours, theirs in zip(scalar, per_sample):
+        assert torch.equal(ours, theirs)
+
+
+def test_no_host_read_of_device_tensors():
+    """On the meta device any read of tensor data (`.item()`, `bool(t.any())`, the syncs a GPU would pay)
+    raises, so running the step, the KL and the estimates there shows the per-step path has none."""
+    x = torch.randn(3, 2, 4, device="meta")  # [N, C, L]
+    v = torch.randn(3, 2, 4, device="meta")
+    per_sample = torch.full((3,), 0.6, device="meta")  # [N]
+    for kind in STOCHASTIC_KINDS:
+        for sigma, sigma_next, level in [(0.8, 0.6, 0.7), (per_sample + 0.2, per_sample, 0.7), (1.0, 0.6, per_sample)]:
+            prev, log_prob, mean, std = sde.sde_step(v, x, sigma, sigma_next, kind, level, generator=torch.Generator())
+            assert {t.device.type for t in (prev, log_prob, mean, std)} == {"meta"}
+            assert log_prob.shape == std.shape == (3,)
+            sde.sde_step(v, x, sigma, sigma_next, kind, level, prev)
+    assert sde.gaussian_kl(x, v, per_sample, dt=0.1).device.type == "meta"
+    assert sde.gaussian_kl(x, v, 0.3, "paper").device.type == "meta"
+    assert sde.x0_from_velocity(x, v, per_sample).device.type == "meta"
+
+
 def test_low_precision_inputs_compute_in_float32():
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     v = torch.randn(2, 8, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)

@@ -116,3 +116,10 @@ def save_video(video: torch.Tensor, path_stem: str, fps: int = 8) -> str:
 def save_strip(video: torch.Tensor, path: str) -> str:
     """[F, 3, H, W] in [0, 1] -> one PNG with the frames side by side."""
     return save_image(torch.cat(list(video), dim=-1), path)
+
+
+def save_gif(video: torch.Tensor, path: str, fps: int = 8) -> str:
+    """[F, 3, H, W] in [0, 1] -> an animated GIF that loops (what browsers animate inside <img>)."""
+    frames = [Image.fromarray(to_uint8(f).permute(1, 2, 0).cpu().numpy()) for f in video]
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
+    return path

@@ -1,0 +1,193 @@
+"""Fixed prompts x fixed seeds through a deterministic sampler, scored by every reward (training and gold).
+
+`evaluate` runs during training (every `eval_every_n_steps`, and once on the base model as step 0) and on
+demand (`flowrl eval`). It writes `out_dir/scores.json` and the images beside it; `flowrl report` reads
+them back.
+
+scores.json (format "flowrl.eval/1"); P prompts, S seeds, samples in prompt-major order (i = p * S + s):
+
+    {
+      "format": "flowrl.eval/1",
+      "step": 0, "label": "base",              # optimizer step of the weights; free-form label
+      "is_video": false,
+      "prompts": [str] * P, "seeds": [int] * S,
+      "metadata": [dict] * P,                   # per prompt (e.g. GenEval tags), {} when none
+      "rewards": {"train": [name, ...],         # rewards the run optimises
+                  "gold": [name, ...]},         # eval-only rewards (the reward-hacking witnesses)
+      "samples": [{"prompt_index": p, "seed_index": s, "seed": int,
+                   "image": "p000_s000.png",      # path relative to out_dir; for video the frame strip PNG
+                   "animation": "p000_s000.gif",  # video only: animated GIF (plus "video": MP4 with imageio-ffmpeg)
+                   "scores": {name: float | null}}] * (P * S),   # null = not applicable (NaN)
+      "per_prompt": {name: [float | null] * P},  # mean over the prompt's seeds, NaN ignored
+      "means": {name: float | null},             # mean of the per-sample scores over all samples, NaN ignored
+      "diversity": {"space": "pixel" | <feature name>,
+                    "per_prompt": [float | null] * P,   # mean pairwise distance of the prompt's S samples
+                    "mean": float | null},              # null when S = 1
+      "sampler": {"name": str, "num_steps": int, "guidance_scale": float | null, "scheduler": str, ...},
+      "time_s": float                            # wall time of sampling + scoring
+    }
+
+Diversity is the mean Euclidean distance over the S(S-1)/2 pairs of a prompt's samples in a feature space:
+`diversity_features(images) -> [M, D]` when given (L2-normalise inside it for a cosine-like distance), else
+pixel space with features = flatten(images) / sqrt(numel), so that the distance is the root-mean-square pixel
+difference (0 for identical samples, at most 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from flowrl import media
+from flowrl.types import FlowModel, PromptBatch, Reward
+
+SCORES_FORMAT = "flowrl.eval/1"
+DiversityFeatures = Callable[[torch.Tensor], torch.Tensor]  # images [M, 3, H, W] (video [M, F, 3, H, W]) -> [M, D]
+
+
+def step_dir_name(step: int | None) -> str:
+    """Folder name of one evaluation or checkpoint: 'step_000120'; None is the base model ('base')."""
+    return "base" if step is None else f"step_{int(step):06d}"
+
+
+def pixel_features(images: torch.Tensor) -> torch.Tensor:
+    """[M, ...] -> [M, D] flattened pixels scaled by 1/sqrt(D): Euclidean distance = RMS pixel difference."""
+    flat = images.detach().float().reshape(images.shape[0], -1)  # [M, D]
+    return flat / math.sqrt(flat.shape[1])
+
+
+def mean_pairwise_distance(features: torch.Tensor) -> float | None:
+    """Mean Euclidean distance over all unordered pairs of rows of [M, D]; None when M < 2."""
+    m = features.shape[0]
+    if m < 2:
+        return None
+    features = features.double()
+    distances = torch.cdist(features, features)  # [M, M]
+    upper = torch.triu_indices(m, m, offset=1)  # [2, M(M-1)/2]
+    return float(distances[upper[0], upper[1]].mean())
+
+
+def nanmean(values: list[float]) -> float | None:
+    """Mean of the finite values; None when there are none (JSON null = not applicable)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+def _sampler_record(sampler: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {"name": getattr(sampler, "registry_name", type(sampler).__name__)}
+    if dataclasses.is_dataclass(sampler):
+        for f in dataclasses.fields(sampler):
+            value = getattr(sampler, f.name)
+            if value is None or isinstance(value, (bool, int, float, str)):
+                record[f.name] = value
+    return record
+
+
+def _check_inputs(model: FlowModel, rewards: dict[str, Reward], prompts: list[str], seeds: list[int],
+                  train_reward_names: list[str], batch_size: int, metadata: list[dict] | None) -> None:
+    if not prompts or isinstance(prompts, str):
+        raise ValueError(f"evaluate: prompts={prompts!r} must be a non-empty list of strings; set eval.prompts in the config")
+    if not seeds or isinstance(seeds, int):
+        raise ValueError(f"evaluate: seeds={seeds!r} must be a non-empty list of ints; set eval.seeds, e.g. [0, 1, 2, 3]")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"evaluate: seeds={seeds} repeat a value; give distinct seeds (a repeat would fake zero diversity)")
+    if batch_size < 1:
+        raise ValueError(f"evaluate: batch_size={batch_size} must be >= 1")
+    if metadata is not None and len(metadata) != len(prompts):
+        raise ValueError(f"evaluate: {len(metadata)} metadata entries for {len(prompts)} prompts; give one dict per prompt or None")
+    unknown = [n for n in train_reward_names if n not in rewards]
+    if unknown:
+        raise ValueError(f"evaluate: train_reward_names {unknown} are not in rewards {sorted(rewards)}; pass every training reward in `rewards`")
+    modality = "video" if model.is_video else "image"
+    for name, reward in rewards.items():
+        if modality not in getattr(reward, "modalities", ("image",)):
+            raise ValueError(f"evaluate: reward {name!r} scores {tuple(reward.modalities)} but the model makes {modality}s; "
+                             f"use a {modality} reward (e.g. wrap it with per_frame)")
+
+
+@torch.no_grad()
+def evaluate(model: FlowModel, rewards: dict[str, Reward], out_dir: str | os.PathLike, *, prompts: list[str],
+             seeds: list[int], sampler: Any, train_reward_names: list[str], step: int, label: str,
+             batch_size: int = 16, metadata: list[dict] | None = None,
+             diversity_features: DiversityFeatures | None = None) -> dict:
+    """Sample every prompt x seed with `sampler`, score with every reward, write out_dir/scores.json + images.
+
+    `rewards` holds training and gold rewards by name; those named in `train_reward_names` are the training
+    ones, the rest are gold. Returns the scores.json dict (schema in the module docstring).
+    """
+    from flowrl.rewards.contract import nan_to_none, score_checked
+
+    _check_inputs(model, rewards, prompts, seeds, train_reward_names, batch_size, metadata)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    metadata = [dict(m) for m in metadata] if metadata is not None else [{} for _ in prompts]
+    num_prompts, num_seeds = len(prompts), len(seeds)
+    pairs = [(p, s) for p in range(num_prompts) for s in range(num_seeds)]  # prompt-major, [P*S]
+    featurize = diversity_features or pixel_features
+    space = "pixel" if diversity_features is None else getattr(diversity_features, "__name__", type(diversity_features).__name__)
+    start = time.perf_counter()
+
+    samples: list[dict[str, Any]] = []
+    features: list[torch.Tensor] = []  # [b, D] per batch
+    for begin in range(0, len(pairs), batch_size):
+        chunk = pairs[begin:begin + batch_size]
+        batch = PromptBatch(
+            prompts=[prompts[p] for p, _ in chunk],
+            group_ids=torch.tensor([p for p, _ in chunk], dtype=torch.int64),  # [b]
+            metadata=[metadata[p] for p, _ in chunk],
+            seeds=torch.tensor([seeds[s] for _, s in chunk], dtype=torch.int64),  # [b]
+        )
+        images = sampler(model, batch).images.detach().float().cpu().clamp(0, 1)  # [b, 3, H, W] or [b, F, 3, H, W]
+        scores = {name: nan_to_none(score_checked(reward, images, batch.prompts, batch.metadata).scores.cpu().tolist())
+                  for name, reward in rewards.items()}
+        feats = featurize(images)
+        if not isinstance(feats, torch.Tensor) or feats.dim() != 2 or feats.shape[0] != len(chunk):
+            raise ValueError(f"evaluate: diversity_features returned {getattr(feats, 'shape', type(feats))}; it must map "
+                             f"[M, ...] images to [M, D] features")
+        features.append(feats.detach().float().cpu())
+        for k, (p, s) in enumerate(chunk):
+            stem = f"p{p:03d}_s{s:03d}"
+            sample: dict[str, Any] = {"prompt_index": p, "seed_index": s, "seed": int(seeds[s])}
+            if model.is_video:
+                sample["image"] = os.path.basename(media.save_strip(images[k], str(out / f"{stem}_strip.png")))
+                sample["animation"] = os.path.basename(media.save_gif(images[k], str(out / f"{stem}.gif")))
+                if media._has_ffmpeg():
+                    sample["video"] = os.path.basename(media.save_video(images[k], str(out / stem)))
+            else:
+                sample["image"] = os.path.basename(media.save_image(images[k], str(out / f"{stem}.png")))
+            sample["scores"] = {name: values[k] for name, values in scores.items()}
+            samples.append(sample)
+
+    all_features = torch.cat(features)  # [P*S, D]
+    per_prompt = {name: [nanmean([samples[p * num_seeds + s]["scores"][name] for s in range(num_seeds)])
+                         for p in range(num_prompts)] for name in rewards}
+    means = {name: nanmean([sample["scores"][name] for sample in samples]) for name in rewards}
+    diversity = [mean_pairwise_distance(all_features[p * num_seeds:(p + 1) * num_seeds]) for p in range(num_prompts)]
+    result = {
+        "format": SCORES_FORMAT,
+        "step": int(step),
+        "label": str(label),
+        "is_video": bool(model.is_video),
+        "prompts": list(prompts),
+        "seeds": [int(s) for s in seeds],
+        "metadata": metadata,
+        "rewards": {"train": [n for n in rewards if n in train_reward_names],
+                    "gold": [n for n in rewards if n not in train_reward_names]},
+        "samples": samples,
+        "per_prompt": per_prompt,
+        "means": means,
+        "diversity": {"space": space, "per_prompt": diversity, "mean": nanmean(diversity)},
+        "sampler": _sampler_record(sampler),
+        "time_s": round(time.perf_counter() - start, 4),
+    }
+    tmp = out / "scores.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    os.replace(tmp, out / "scores.json")  # atomic: a crash never leaves half a scores.json
+    return result

@@ -83,12 +83,39 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_training(config: str, overrides: list[str]) -> int:
+    """Load a config and run its trainer in this process (under `accelerate launch`, in each process)."""
+    from flowrl.config import load_config
+    from flowrl.trainers.grpo import GRPOTrainer
+
+    cfg = load_config(config, overrides)
+    GRPOTrainer(cfg).train()
+    return 0
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train with a YAML config (one process; use accelerate launch scripts/train.py for more)")
+    p.add_argument("config", help="YAML run config, e.g. configs/toy/grpo.yaml")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.learning_rate=1e-4")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    return run_training(args.config, args.overrides)
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    sub.add_parser("demo", help="align the embedded toy model with GRPO on the CPU and write runs/demo/")
+    p = sub.add_parser("demo", help="align the embedded toy model with GRPO on the CPU and write runs/demo/")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides of configs/toy/grpo.yaml (e.g. seed=1)")
+    p.add_argument("--out", default="runs", help="folder that receives demo/ (default: runs)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    print("flowrl demo: the GRPO trainer has not landed yet (issue [grpo]); nothing to run.")
+    import json
+
+    from flowrl.demo import run_demo
+
+    summary = run_demo(args.overrides, output_dir=args.out)
+    print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -230,6 +257,7 @@ COMMANDS = {
     "sample": (_add_sample, _run_sample),
     "bench": (_add_bench, _run_bench),
     "demo": (_add_demo, _run_demo),
+    "train": (_add_train, _run_train),
     "rewards": (_add_rewards, _run_rewards),
     "score": (_add_score, _run_score),
     "serve-reward": (_add_serve_reward, _run_serve_reward),

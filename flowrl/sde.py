@@ -91,6 +91,12 @@ def _scheduler_settings(config: Mapping, allow_inverted: bool) -> dict:
             f"scheduler config _class_name={class_name!r} is not supported: flowrl reproduces {_SCHEDULER_CLASS} "
             f"only; pass a {_SCHEDULER_CLASS} config (e.g. shift=<the flow_shift of {class_name}>)"
         )
+    for key in ("flow_shift", "use_flow_sigmas"):  # DPM-Solver / UniPC keys that FlowMatchEuler would ignore
+        if config.get(key):
+            raise ValueError(
+                f"scheduler config {key}={config[key]!r} belongs to a DPM-Solver/UniPC scheduler, which flowrl "
+                f"does not reproduce: pass a {_SCHEDULER_CLASS} config with shift=<flow_shift>"
+            )
     settings = dict(_SCHEDULER_DEFAULTS)
     settings.update({key: value for key, value in config.items() if key in _SCHEDULER_DEFAULTS})
     for key in _UNSUPPORTED_SCHEDULER_KEYS:
@@ -98,7 +104,8 @@ def _scheduler_settings(config: Mapping, allow_inverted: bool) -> dict:
             raise ValueError(f"scheduler config {key}={settings[key]!r} is not supported: set it to False")
     if settings["time_shift_type"] not in ("exponential", "linear"):
         raise ValueError(
-            f"scheduler config time_shift_type={settings['time_shift_type']!r} is unknown: use 'exponential' or 'linear'"
+            f"scheduler config time_shift_type={settings['time_shift_type']!r} is unknown: "
+            "use 'exponential' or 'linear'"
         )
     if settings["invert_sigmas"] and not allow_inverted:
         raise ValueError(
@@ -137,11 +144,15 @@ def scheduler_sigmas(
     if not (isinstance(num_steps, (int, np.integer)) and num_steps >= 1):
         raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1")
     if settings["use_dynamic_shifting"] and mu is None:
-        raise ValueError("mu=None but the scheduler config has use_dynamic_shifting=True: pass mu=calculate_shift(image_seq_len)")
+        raise ValueError(
+            "mu=None but the scheduler config has use_dynamic_shifting=True: pass mu=calculate_shift(image_seq_len)"
+        )
     if sigmas is not None and len(sigmas) != num_steps:
         raise ValueError(f"sigmas has {len(sigmas)} values but num_steps={num_steps}: pass one sigma per step")
     if settings["shift_terminal"] and num_steps == 1:
-        raise ValueError("num_steps=1 with scheduler config shift_terminal set gives NaN sigmas (0/0): use num_steps >= 2")
+        raise ValueError(
+            "num_steps=1 with scheduler config shift_terminal set gives NaN sigmas (0/0): use num_steps >= 2"
+        )
 
     num_train = int(settings["num_train_timesteps"])
     shift = settings["shift"]
@@ -281,8 +292,8 @@ def _step_coefficients(
     Every kind's mean is written as the Euler step plus a correction along the noise estimate,
     `μ = x + Δ·v + c_k·ε̂`, with c_k = 0 exactly when the noise level is 0, so that a zero noise level
     reproduces Euler bit for bit:
-      flow_grpo  g² = a²·σ/(1 − σ̃), σ̃ = σ' where σ ≥ sigma_max else σ;  s = g·√h;  c = −g²·h/(2σ)
-      dance      g = η;                                                  s = η·√h;  c = −η²·h/(2σ)
+      flow_grpo  g² = a²·σ/(1 − σ̃), σ̃ = σ' where σ ≥ sigma_max else σ;  s = g·√h;  c = −g²h/(2σ)
+      dance      g = η;                                                  s = η·√h;  c = −η²h/(2σ)
       cps        s = σ'·sin(aπ/2);  c = σ'·(cos(aπ/2) − 1) = −2σ'·sin²(aπ/4)
       ode        s = 0;  c = 0
     Steps with h = σ − σ' ≤ 0 get s = c = 0 (an empty step leaves x unchanged).
@@ -366,8 +377,8 @@ def sde_step(
       sigma, sigma_next: σ and σ' < σ, floats or per-sample Tensors [N] (tree and window samplers).
       kind: "ode" (Euler, deterministic), "flow_grpo" (§1.2, g = a·√(σ/(1 − σ̃))), "dance" (§2.1, g ≡ η)
         or "cps" (§1.8, coefficients-preserving). See `_step_coefficients` for the exact formulas.
-      noise_level: a (flow_grpo, cps) or η (dance), float or Tensor [N], >= 0; 0 gives the Euler step
-        exactly for every kind. CPU tensors are validated; tensors on an accelerator are not (no sync).
+      noise_level: a (flow_grpo, cps) or η (dance), float or Tensor [N], >= 0 (cps: <= 1); 0 gives the
+        Euler step exactly for every kind. CPU tensors are validated; tensors on an accelerator are not (no sync).
       prev_sample: None to sample `x' = μ + s·ξ`, ξ ~ N(0, I) in float32 (drawn for every kind but
         "ode", also where s = 0); a Tensor [N, ...] to score that sample (detached) instead, which is then
         returned unchanged (same object, same dtype).
@@ -396,7 +407,9 @@ def sde_step(
     if x.ndim < 2:
         raise ValueError(f"x has shape {tuple(x.shape)}: latents must be [N, ...] with at least one non-batch dim")
     if v.shape != x.shape:
-        raise ValueError(f"v has shape {tuple(v.shape)} but x has {tuple(x.shape)}: the velocity must match the latents")
+        raise ValueError(
+            f"v has shape {tuple(v.shape)} but x has {tuple(x.shape)}: the velocity must match the latents"
+        )
     if prev_sample is not None and prev_sample.shape != x.shape:
         raise ValueError(
             f"prev_sample has shape {tuple(prev_sample.shape)} but x has {tuple(x.shape)}: pass the stored next latents"
@@ -477,7 +490,8 @@ def gaussian_kl(
         raise ValueError(f"reduce={reduce!r} is unknown: use 'mean', 'sum' or None (the form's own)")
     if mean.shape != ref_mean.shape:
         raise ValueError(
-            f"ref_mean has shape {tuple(ref_mean.shape)} but mean has {tuple(mean.shape)}: compute both on the same batch"
+            f"ref_mean has shape {tuple(ref_mean.shape)} but mean has {tuple(mean.shape)}: "
+            "compute both on the same batch"
         )
     if mean.ndim < 2:
         raise ValueError(f"mean has shape {tuple(mean.shape)}: means must be [N, ...] with at least one non-batch dim")

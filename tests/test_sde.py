@@ -152,6 +152,7 @@ def test_timesteps_from_sigmas():
         (lambda: sde.scheduler_sigmas({"use_karras_sigmas": True}, 4), "use_karras_sigmas"),
         (lambda: sde.scheduler_sigmas({"use_beta_sigmas": True}, 4), "use_beta_sigmas"),
         (lambda: sde.scheduler_sigmas({"_class_name": "DPMSolverMultistepScheduler"}, 4), "_class_name"),
+        (lambda: sde.scheduler_sigmas({"flow_shift": 3.0, "use_flow_sigmas": True}, 4), "flow_shift"),
         (lambda: sde.scheduler_sigmas(FLUX_CONFIG, 4), "mu"),
         (lambda: sde.scheduler_sigmas({"time_shift_type": "cosine"}, 4), "time_shift_type"),
         (lambda: sde.scheduler_sigmas(SD35_CONFIG, 4, sigmas=[1.0, 0.5]), "sigmas"),
@@ -245,7 +246,8 @@ def test_std_test_vectors_on_the_sd3_grid():
     sigmas = sd3_grid(10)
     flow_grpo = [0.700, 0.743, 0.536, 0.446, 0.392, 0.353, 0.319, 0.282, 0.225, 0.0063]  # §1.2, a = 0.7
     cps = [0.913, 0.869, 0.816, 0.752, 0.673, 0.573, 0.442, 0.264, 0.0085, 0.0]  # §1.8, a = 0.8
-    assert torch.allclose(sde.sde_std(sigmas[:-1], sigmas[1:], "flow_grpo", 0.7), torch.tensor(flow_grpo), atol=6e-4, rtol=0)
+    ours = sde.sde_std(sigmas[:-1], sigmas[1:], "flow_grpo", 0.7)
+    assert torch.allclose(ours, torch.tensor(flow_grpo), atol=6e-4, rtol=0)
     assert torch.allclose(sde.sde_std(sigmas[:-1], sigmas[1:], "cps", 0.8), torch.tensor(cps), atol=6e-4, rtol=0)
     dance = 0.3 * torch.sqrt(sigmas[:-1] - sigmas[1:])  # s = η·√h
     assert torch.allclose(sde.sde_std(sigmas[:-1], sigmas[1:], "dance", 0.3), dance, atol=1e-7, rtol=0)
@@ -261,7 +263,9 @@ def test_log_prob_mean_and_std_equal_independent_gaussian(kind, reduce):
     noise_level = torch.tensor([0.7, 0.5, 0.9, 0.3, 0.8])  # [N]
     x = torch.randn(5, 2, 3, 3, generator=generator)  # [N, C, H, W]
     v = torch.randn(5, 2, 3, 3, generator=generator)
-    prev, log_prob, mean, std = sde.sde_step(v, x, sigma, sigma_next, kind, noise_level, generator=generator, reduce=reduce)
+    prev, log_prob, mean, std = sde.sde_step(
+        v, x, sigma, sigma_next, kind, noise_level, generator=generator, reduce=reduce
+    )
     ref_mean, ref_std = reference_step(x, v, sigma, sigma_next, kind, noise_level)
     assert torch.allclose(mean.double(), ref_mean, atol=2e-6, rtol=1e-5)
     assert torch.allclose(std.double(), ref_std, atol=1e-7, rtol=1e-5)
@@ -364,7 +368,8 @@ def test_no_host_read_of_device_tensors():
 def test_low_precision_inputs_compute_in_float32():
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     v = torch.randn(2, 8, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
-    prev, log_prob, mean, std = sde.sde_step(v, x, 0.9, 0.7, "flow_grpo", 0.7, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    prev, log_prob, mean, std = sde.sde_step(v, x, 0.9, 0.7, "flow_grpo", 0.7, generator=generator)
     assert prev.dtype == log_prob.dtype == mean.dtype == std.dtype == torch.float32
     upcast = sde.sde_step(v.float(), x.float(), 0.9, 0.7, "flow_grpo", 0.7, generator=torch.Generator().manual_seed(0))
     assert torch.equal(prev, upcast[0]) and torch.equal(log_prob, upcast[1])
@@ -469,7 +474,9 @@ def test_on_policy_ratio_is_exactly_one(kind):
         for k in range(4):
             sigma = sigmas[k].expand(5)  # [N]
             v = model(latents[-1], sigma)
-            prev, log_prob, _, _ = sde.sde_step(v, latents[-1], sigma, sigmas[k + 1].expand(5), kind, 0.7, generator=torch_generator)
+            prev, log_prob, _, _ = sde.sde_step(
+                v, latents[-1], sigma, sigmas[k + 1].expand(5), kind, 0.7, generator=torch_generator
+            )
             latents.append(prev)
             old_log_probs.append(log_prob)
     for k in range(3):  # the last cps step is deterministic; train on the others
@@ -519,7 +526,8 @@ def test_code_kl_by_its_definition():
     # cps: flow_grpo divides by its std directly.
     cps_std = sigma_next * math.sin(0.8 * math.pi / 2)
     expected = ((mean - ref_mean) ** 2).mean(dim=(1, 2)) / (2 * cps_std**2)
-    assert torch.allclose(sde.gaussian_kl(mean, ref_mean, sde.sde_std(sigma, sigma_next, "cps", 0.8)), expected, rtol=1e-5)
+    cps_kl = sde.gaussian_kl(mean, ref_mean, sde.sde_std(sigma, sigma_next, "cps", 0.8))
+    assert torch.allclose(cps_kl, expected, rtol=1e-5)
     # the two forms differ by h·D for the same Gaussian pair
     paper = sde.gaussian_kl(mean, ref_mean, std, "paper")
     code = sde.gaussian_kl(mean, ref_mean, std, "code", dt=sigma - sigma_next)

@@ -39,7 +39,7 @@ class Registry:
         self._populated = True
         if self.package:
             pkg = importlib.import_module(self.package)
-            for info in pkgutil.iter_modules(pkg.__path__):
+            for info in pkgutil.iter_modules(getattr(pkg, "__path__", [])):  # a plain module registers on import
                 if not info.name.startswith("_"):
                     importlib.import_module(f"{self.package}.{info.name}")
         if self.entry_point_group:
@@ -78,4 +78,4 @@ class Registry:
 
 REWARDS = Registry("reward", package="flowrl.rewards", entry_point_group="flowrl.rewards")
 SAMPLERS = Registry("sampler", package="flowrl.samplers")
-BALANCERS = Registry("balancer")
+BALANCERS = Registry("balancer", package="flowrl.balancers")

@@ -1,0 +1,27 @@
+# The README quickstart: `make demo` and `make test`, each creating or refreshing .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.flowrl-installed
+# torch and torchvision must come as this pair (see ENVIRONMENT notes in the README)
+TORCH := torch==2.14.1 torchvision==0.29.1
+PYTEST_ARGS ?= -q
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[test,ocr,video]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/flowrl demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

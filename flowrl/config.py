@@ -1,0 +1,394 @@
+"""Run configuration: dataclass schema, YAML loading, `key=value` overrides and validation.
+
+A YAML file maps onto `RunConfig`. Sections with a registered component (`sampler`, `balancer`, each entry
+of `rewards`) hold `name` plus that component's constructor arguments, flat:
+
+    sampler: {name: sde, num_steps: 10, noise_level: 0.7}
+    rewards:
+      - {name: pickscore, weight: 1.0}
+
+Unknown keys are errors that suggest the closest valid key; numbers written as YAML strings ("1e-4") are
+converted to the declared type. Configs never mention hardware: sizes are global or per prompt, and the
+trainer derives per-process sizes from the number of processes at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    path: str = "toy"
+    """'toy', a local diffusers pipeline folder, or a hub id (downloads only because you named one)."""
+    dtype: str = "float32"
+    """Weights dtype of the frozen components (float32, bfloat16, float16)."""
+    mixed_precision: str = "no"
+    """Autocast of the trained forward passes: no, bf16, fp16 (handed to accelerate)."""
+    use_lora: bool = True
+    """Train a LoRA adapter (the reference model is the adapter switched off); False = full fine-tuning."""
+    lora_rank: int = 32
+    lora_alpha: float = 64.0
+    lora_target_modules: list[str] | None = None
+    """None = the family's default targets (attention projections)."""
+    use_gradient_checkpointing: bool = False
+    init_lora: str | None = None
+    """Start from this LoRA (diffusers format folder) instead of a fresh adapter."""
+
+
+@dataclass
+class DataConfig:
+    prompts_file: str | None = None
+    """A text file with one prompt per line (blank lines and lines starting with # are skipped)."""
+    prompts: list[str] | None = None
+    """Prompts written in the config."""
+    toy_split: str | None = None
+    """'train' or 'heldout': the prompts of the Shapes world's split (the toy configs use this)."""
+    num_prompts_per_step: int = 8
+    """B: prompt groups per training step, over all processes."""
+    group_size: int = 8
+    """G: rollouts per prompt. B * G must divide by the number of processes."""
+
+
+@dataclass
+class ComponentConfig:
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Constructor arguments of the registered component (written flat beside `name` in YAML)."""
+
+
+@dataclass
+class RewardConfig:
+    name: str
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EvalConfig:
+    every_n_steps: int = 0
+    """Evaluate every this many training steps (0: only the base model before and the final model after)."""
+    prompts: list[str] | None = None
+    prompts_file: str | None = None
+    toy_split: str | None = None
+    num_prompts: int | None = None
+    """Use only the first this many prompts."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    num_steps: int = 20
+    guidance_scale: float | None = None
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    scheduler: str = "euler"
+    """'euler' or 'pipeline' (the checkpoint's own scheduler, as users sample it)."""
+    gold_rewards: list[RewardConfig] = field(default_factory=list)
+    """Rewards scored at evaluation only (to catch reward hacking)."""
+    batch_size: int = 16
+    use_ema: bool = True
+    """Evaluate the EMA weights when the trainer keeps them."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 0
+    """Write the full training state every this many steps (0: only at the end)."""
+    keep_last: int = 2
+    resume: str | None = None
+    """'latest' (the newest checkpoint of this run, if any) or a checkpoint folder."""
+
+
+@dataclass
+class LoggingConfig:
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """accelerate trackers: tensorboard, wandb (when installed), or [] for metrics.jsonl only."""
+    progress_bar: bool = True
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = 0
+    trainer: str = "grpo"
+    num_steps: int = 100
+    """Training steps (one rollout batch and its optimisation each)."""
+    device: str | None = None
+    """None: accelerate's choice (GPU when present); 'cpu' forces the CPU."""
+    on_reward_error: str = "raise"
+    """'raise', or 'skip_sample': a reward that raises or returns NaN/inf drops those samples (counted)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampler: ComponentConfig = field(default_factory=lambda: ComponentConfig("sde"))
+    rewards: list[RewardConfig] = field(default_factory=list)
+    balancer: ComponentConfig = field(default_factory=lambda: ComponentConfig("weighted_sum"))
+    train: Any = None
+    """The trainer's own config dataclass (e.g. GRPOConfig), filled from the `train:` section."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+# trainer name -> its config dataclass
+TRAINER_CONFIGS = {"grpo": ("flowrl.trainers.grpo", "GRPOConfig")}
+_COMPONENT_SECTIONS = {"sampler": "SAMPLERS", "balancer": "BALANCERS"}
+
+
+class ConfigError(ValueError):
+    """A config problem, stated in one line with the key, the value and the fix."""
+
+
+def _closest(key: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else f"; valid keys: {', '.join(sorted(options))}"
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Convert a YAML value to the declared type (numbers from strings, nested dataclasses, lists)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], where) if len(args) == 1 else value
+    if value is None:
+        return None
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}={value!r} must be a list")
+        (item,) = typing.get_args(hint) or (Any,)
+        return [_coerce(v, item, f"{where}.{i}") for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}={value!r} must be true or false")
+    if hint in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r} must be a number")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}={value!r} must be a number") from None
+        if hint is int:
+            if number != int(number):
+                raise ConfigError(f"{where}={value!r} must be a whole number")
+            return int(number)
+        return number
+    if hint is str and not isinstance(value, str):
+        raise ConfigError(f"{where}={value!r} must be a string")
+    return value
+
+
+def from_dict(cls: type, data: Any, where: str = "config") -> Any:
+    """Build dataclass `cls` from a mapping, rejecting unknown keys with the closest valid one."""
+    if cls in (ComponentConfig, RewardConfig):
+        return _component_from_dict(cls, data, where)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping of keys, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown key {where}.{key}{_closest(key, names)}")
+    return cls(**{key: _coerce(value, hints[key], f"{where}.{key}") for key, value in data.items()})
+
+
+def _component_from_dict(cls: type, data: Any, where: str) -> Any:
+    if isinstance(data, str):
+        data = {"name": data}
+    if not isinstance(data, dict) or "name" not in data:
+        raise ConfigError(f"{where} must be a mapping with a 'name' key (e.g. {{name: ...}})")
+    data = dict(data)
+    fixed = {"name": str(data.pop("name"))}
+    if cls is RewardConfig and "weight" in data:
+        fixed["weight"] = _coerce(data.pop("weight"), float, f"{where}.weight")
+    nested = data.pop("kwargs", {}) or {}
+    return cls(**fixed, kwargs={**nested, **data})
+
+
+def _check_component_kwargs(component_cls: type, kwargs: dict, where: str) -> dict:
+    """Unknown constructor arguments of a registered component -> a ConfigError naming the closest one."""
+    if dataclasses.is_dataclass(component_cls):
+        hints = typing.get_type_hints(component_cls)
+        names = [f.name for f in dataclasses.fields(component_cls) if f.init]
+        out = {}
+        for key, value in kwargs.items():
+            if key not in names:
+                raise ConfigError(f"unknown key {where}.{key}{_closest(key, names)}")
+            out[key] = _coerce(value, hints[key], f"{where}.{key}") if hints[key] in (int, float, bool) else value
+        return out
+    params = inspect.signature(component_cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    names = [n for n in params if n not in ("self", "device", "dtype")]
+    for key in kwargs:
+        if key not in names:
+            raise ConfigError(f"unknown key {where}.{key}{_closest(key, names)}")
+    return dict(kwargs)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Cross-field checks and component-argument checks, each a one-line ConfigError."""
+    from flowrl import registry
+
+    if cfg.on_reward_error not in ("raise", "skip_sample"):
+        raise ConfigError(f"on_reward_error={cfg.on_reward_error!r} must be 'raise' or 'skip_sample'")
+    if cfg.num_steps < 0:
+        raise ConfigError(f"num_steps={cfg.num_steps} must be >= 0")
+    for name in ("num_prompts_per_step", "group_size"):
+        if getattr(cfg.data, name) < 1:
+            raise ConfigError(f"data.{name}={getattr(cfg.data, name)} must be >= 1")
+    if cfg.model.mixed_precision not in ("no", "bf16", "fp16"):
+        raise ConfigError(f"model.mixed_precision={cfg.model.mixed_precision!r} must be no, bf16 or fp16")
+    if not cfg.rewards:
+        raise ConfigError("rewards is empty: list at least one reward, e.g. rewards: [{name: toy_attributes}]")
+    sources = [cfg.data.prompts_file, cfg.data.prompts, cfg.data.toy_split]
+    if sum(s is not None for s in sources) != 1:
+        raise ConfigError("data needs exactly one of prompts_file, prompts, toy_split")
+    for section, reg_name in _COMPONENT_SECTIONS.items():
+        spec = getattr(cfg, section)
+        reg = getattr(registry, reg_name)
+        try:
+            component = reg.get(spec.name)
+        except KeyError as err:
+            raise ConfigError(f"{section}.name: {err.args[0]}") from None
+        spec.kwargs = _check_component_kwargs(component, spec.kwargs, section)
+    for i, spec in enumerate(list(cfg.rewards) + list(cfg.eval.gold_rewards)):
+        where = f"rewards.{i}" if i < len(cfg.rewards) else f"eval.gold_rewards.{i - len(cfg.rewards)}"
+        try:
+            component = registry.REWARDS.get(spec.name)
+        except KeyError as err:
+            raise ConfigError(f"{where}.name: {err.args[0]}") from None
+        spec.kwargs = _check_component_kwargs(component, spec.kwargs, where)
+    names = [r.name for r in cfg.rewards]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"rewards lists a reward twice ({names}); give each reward once with its weight")
+    return cfg
+
+
+def _set_path(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node: Any = data
+    for i, key in enumerate(keys[:-1]):
+        nxt = keys[i + 1]
+        if isinstance(node, list):
+            node = node[int(key)]
+            continue
+        if key not in node or node[key] is None:
+            node[key] = [] if nxt.isdigit() else {}
+        node = node[key]
+    last = keys[-1]
+    if isinstance(node, list):
+        index = int(last)
+        if index == len(node):
+            node.append(value)
+        else:
+            node[index] = value
+    else:
+        node[last] = value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """`a.b=value` overrides (value parsed as YAML; list entries by index: rewards.0.weight=2)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        key, raw = item.split("=", 1)
+        try:
+            _set_path(data, key.strip(), yaml.safe_load(raw))
+        except (IndexError, ValueError, TypeError, AttributeError):
+            raise ConfigError(f"override {item!r}: {key} is not a valid path in the config") from None
+    return data
+
+
+def build_config(data: dict) -> RunConfig:
+    import importlib
+
+    data = dict(data or {})
+    train = data.pop("train", None) or {}
+    cfg = from_dict(RunConfig, data, "config")
+    if cfg.trainer not in TRAINER_CONFIGS:
+        raise ConfigError(f"trainer={cfg.trainer!r} is not one of {', '.join(TRAINER_CONFIGS)}")
+    module, cls_name = TRAINER_CONFIGS[cfg.trainer]
+    cfg.train = from_dict(getattr(importlib.import_module(module), cls_name), train, "train")
+    return validate(cfg)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist; pass a YAML file such as configs/toy/grpo.yaml")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys at the top level")
+    return build_config(apply_overrides(data, list(overrides or [])))
+
+
+def to_dict(cfg: Any) -> Any:
+    """The config as plain YAML-able data, with component kwargs written flat again."""
+    if isinstance(cfg, (ComponentConfig, RewardConfig)):
+        out = {"name": cfg.name}
+        if isinstance(cfg, RewardConfig):
+            out["weight"] = cfg.weight
+        out.update(cfg.kwargs)
+        return out
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1} (lists by index), for comparing two configs key by key."""
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        out = {}
+        for i, v in enumerate(data):
+            out.update(flatten(v, f"{prefix}{i}."))
+        return out
+    return {prefix[:-1]: data}
+
+
+def load_prompts(prompts: list[str] | None, prompts_file: str | None, toy_split: str | None, where: str) -> list[str]:
+    """The prompt list of a data or eval section, checked non-empty."""
+    if prompts is not None:
+        out = [p for p in prompts if p.strip()]
+    elif prompts_file is not None:
+        path = Path(prompts_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"{where}.prompts_file={prompts_file!r} does not exist; give a text file with one prompt per line")
+        out = [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    elif toy_split is not None:
+        from flowrl.toy.world import split_prompts
+
+        out = split_prompts(toy_split)
+    else:
+        raise ConfigError(f"{where} needs one of prompts, prompts_file, toy_split")
+    if not out:
+        raise ConfigError(f"{where}: the prompt list is empty; add at least one prompt")
+    return out

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from conftest import tiny_open_clip
+from tiny_checkpoints import tiny_open_clip
 
 from flowrl.registry import REWARDS
 from flowrl.rewards.remote import RemoteRewardError

@@ -448,13 +448,15 @@ def sde_step(
         return prev_sample, log_prob, mean, std
 
     stochastic = std > 0  # [N]
-    residual = (target - mean).flatten(1)  # [N, D]
+    squared = (target - mean).flatten(1).square()  # [N, D]
+    # Reduce first, then scale: the per-element log-density −r²/(2s²) − log s − ½log 2π has one s per sample.
+    squared = squared.mean(dim=1) if reduce == "mean" else squared.sum(dim=1)  # [N]
     if log_prob_mode == "gaussian":
-        safe_std = torch.where(stochastic, std, torch.ones_like(std)).unsqueeze(1)  # [N, 1]
-        density = -0.5 * (residual / safe_std) ** 2 - torch.log(safe_std) - _HALF_LOG_2PI  # [N, D]
+        safe_std = torch.where(stochastic, std, torch.ones_like(std))  # [N]
+        count = 1 if reduce == "mean" else math.prod(x.shape[1:])  # elements per sample
+        log_prob = -0.5 * squared / safe_std.square() - count * (torch.log(safe_std) + _HALF_LOG_2PI)  # [N]
     else:
-        density = -(residual**2)  # [N, D]
-    log_prob = density.mean(dim=1) if reduce == "mean" else density.sum(dim=1)  # [N]
+        log_prob = -squared  # [N]
     log_prob = torch.where(stochastic, log_prob, torch.zeros_like(log_prob))
     return prev_sample, log_prob, mean, std
 

@@ -66,7 +66,7 @@ def _run_sample(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure speed; writes JSON with side-by-side ratios")
-    p.add_argument("what", choices=["rollout", "rewards"], help="which benchmark")
+    p.add_argument("what", choices=["rollout", "rewards", "report"], help="which benchmark")
     p.add_argument("--json", required=True, help="output JSON path")
     p.add_argument("--repeats", type=int, default=5)
 
@@ -253,6 +253,114 @@ def _run_serve_reward(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="sample the config's fixed eval prompts x seeds from a checkpoint (or base) and score them")
+    p.add_argument("--config", required=True, help="the run's config YAML")
+    p.add_argument("--checkpoint", required=True, help="checkpoints/step_XXXXXX folder, or 'base' for the untrained model")
+    p.add_argument("--out", default=None, help="output folder (default: <run>/eval/step_XXXXXX or <run>/eval/base)")
+    p.add_argument("--set", action="append", dest="overrides", metavar="KEY=VALUE", help="config override (dotlist), repeatable")
+    p.add_argument("--batch-size", type=int, default=16)
+
+
+def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, str]:
+    """(output folder, step, label) of `flowrl eval`.
+
+    The step comes from a `step_XXXXXX` checkpoint folder name (0 for 'base'); the folder defaults to
+    <run>/eval/<label>, where <run> holds the checkpoint (runs/<name>/checkpoints/step_X) or, for 'base', is the
+    config's `output_dir`.
+    """
+    import os
+    import re
+
+    run_dir = None
+    if checkpoint == "base":
+        step, label = 0, "base"
+        run_dir = getattr(config, "output_dir", None) or getattr(config, "run_dir", None)
+    else:
+        if not os.path.isdir(checkpoint):
+            raise FileNotFoundError(f"--checkpoint {checkpoint!r} does not exist; pass a checkpoints/step_XXXXXX folder or 'base'")
+        label = os.path.basename(os.path.normpath(checkpoint))
+        match = re.fullmatch(r"step_(\d+)", label)
+        step = int(match.group(1)) if match else 0
+        parent = os.path.dirname(os.path.normpath(checkpoint))
+        if match and os.path.basename(parent) == "checkpoints":
+            run_dir = os.path.dirname(parent)
+    if out:
+        return out, step, label
+    if not run_dir:
+        raise ValueError(f"--out is not set and --checkpoint {checkpoint!r} is not inside runs/<name>/checkpoints/; pass --out DIR")
+    return os.path.join(str(run_dir), "eval", label), step, label
+
+
+def _reward_spec(spec) -> tuple[str, dict]:
+    """A config reward entry (object with .name/.kwargs, a dict, or a bare name) -> (name, kwargs)."""
+    if isinstance(spec, str):
+        return spec, {}
+    if isinstance(spec, dict):
+        return spec["name"], dict(spec.get("kwargs") or {})
+    return spec.name, dict(getattr(spec, "kwargs", None) or {})
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from flowrl.checkpoint import load_model_for_eval
+    from flowrl.config import load_config
+    from flowrl.evaluation import evaluate
+    from flowrl.registry import REWARDS, SAMPLERS
+
+    config = load_config(args.config, args.overrides or [])
+    out, step, label = _eval_out_dir(config, args.checkpoint, args.out)
+    model = load_model_for_eval(config, args.checkpoint)
+    ev = config.eval
+    device, dtype = model.device, torch.float32
+    rewards, train_names = {}, []
+    for spec in config.rewards:
+        name, kwargs = _reward_spec(spec)
+        rewards[name] = REWARDS.build(name, device=device, dtype=dtype, **kwargs)
+        train_names.append(name)
+    for spec in getattr(ev, "gold_rewards", None) or []:
+        name, kwargs = _reward_spec(spec)
+        if name not in rewards:
+            rewards[name] = REWARDS.build(name, device=device, dtype=dtype, **kwargs)
+    sampler = SAMPLERS.get("ode")(num_steps=ev.num_steps, height=ev.height, width=ev.width, num_frames=ev.num_frames,
+                                  guidance_scale=ev.guidance_scale, scheduler=getattr(ev, "scheduler", None) or "euler")
+    result = evaluate(model, rewards, out, prompts=list(ev.prompts), seeds=list(ev.seeds), sampler=sampler,
+                      train_reward_names=train_names, step=step, label=label, batch_size=args.batch_size)
+    for name, value in result["means"].items():
+        kind = "train" if name in train_names else "gold"
+        print(f"{name:<28} {kind:<5} {'n/a' if value is None else f'{value:.6g}'}")
+    diversity = result["diversity"]["mean"]
+    print(f"{'diversity':<28} {'':<5} {'n/a' if diversity is None else f'{diversity:.6g}'}")
+    print(f"wrote {out}/scores.json")
+    return 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="write index.html (self-contained) and grid PNGs for a run folder")
+    p.add_argument("run_dir", help="runs/<name> folder written by `flowrl train`")
+    p.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="other run folders to show beside it")
+    p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
+    p.add_argument("--steps", nargs="+", type=int, default=None, help="eval steps shown beside base (default: all)")
+    p.add_argument("--hacking-margin", type=float, default=0.02,
+                   help="flag a gold reward or diversity that falls by more than this (absolute) while a training reward rises")
+    p.add_argument("--thumb", type=int, default=128, help="largest image height in the page and grids, in pixels")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from flowrl.report import build_report
+
+    result = build_report(args.run_dir, args.compare, args.out, steps=args.steps, hacking_margin=args.hacking_margin,
+                          thumb=args.thumb)
+    for run, gap in result["gaps"]:
+        print(f"gap: {run}: {gap}", file=sys.stderr)
+    for run, flagged in result["flags"].items():
+        for step, name in flagged:
+            print(f"reward hacking? {run}: {name} fell at {step} while a training reward rose", file=sys.stderr)
+    print(result["index"])
+    return 0
+
+
 COMMANDS = {
     "sample": (_add_sample, _run_sample),
     "bench": (_add_bench, _run_bench),
@@ -261,6 +369,8 @@ COMMANDS = {
     "rewards": (_add_rewards, _run_rewards),
     "score": (_add_score, _run_score),
     "serve-reward": (_add_serve_reward, _run_serve_reward),
+    "eval": (_add_eval, _run_eval),
+    "report": (_add_report, _run_report),
 }
 
 

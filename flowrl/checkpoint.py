@@ -21,6 +21,7 @@ import json
 import os
 import random
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 STEP_PREFIX = "step_"
+# Tests set this to a step number to SIGKILL the process in the middle of writing that step's checkpoint.
+FAULT_ENV = "FLOWRL_FAULT_KILL_DURING_CHECKPOINT"
 # keys that may differ between a checkpoint's config and the config that resumes it
 RESUMABLE_DIFFERENCES = ("num_steps", "checkpoint.", "logging.", "eval.", "device", "output_dir")
 
@@ -99,6 +102,8 @@ def save_checkpoint(
     (tmp / f"rng_{accelerator.process_index}.json").write_text(json.dumps(rng_state()))
     if accelerator.is_main_process:
         save_file(trainable_state(module), str(tmp / "trainable.safetensors"))
+        if os.environ.get(FAULT_ENV) == str(step):  # fault injection for the resume tests: die mid-write
+            os.kill(os.getpid(), signal.SIGKILL)
         if ema is not None:
             save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")

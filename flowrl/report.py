@@ -519,8 +519,8 @@ def _run_hacking(run: RunRecord, rows: list[dict[str, Any]], margin: float) -> s
             cells.append(f'<td class="num">{fmt(value)} ({fmt_delta(delta)})</td>')
         for name in watch:
             value, delta, flagged = row["watch"][name]
-            cells.append(f'<td class="num{" flag" if flagged else ""}" data-flag="{int(flagged)}" data-reward="{_esc(name)}" '
-                         f'data-step="{_esc(row["name"])}">{fmt(value)} ({fmt_delta(delta)}){" &#9888;" if flagged else ""}</td>')
+            cells.append(f'<td class="num{" flag" if flagged else ""}" data-flag="{int(flagged)}" data-run="{_esc(run.name)}" data-reward="{_esc(name)}" '
+                         f'data-step="{_esc(row["name"])}" data-kind="hacking">{fmt(value)} ({fmt_delta(delta)}){" &#9888;" if flagged else ""}</td>')
         body.append(f"<tr><td>{_esc(row['name'])}</td>{''.join(cells)}</tr>")
     flagged = [(row["name"], name) for row in rows for name in row["flagged"]]
     verdict = ('<p class="gap"><b>Possible reward hacking:</b> ' + "; ".join(f"{_esc(n)} fell at {_esc(s)}" for s, n in flagged)

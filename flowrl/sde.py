@@ -84,21 +84,28 @@ def calculate_shift(
 
 
 def _scheduler_settings(config: Mapping, allow_inverted: bool) -> dict:
-    """Merge `config` over the scheduler defaults and refuse what `scheduler_sigmas` does not reproduce."""
+    """Merge `config` over the scheduler defaults and refuse what `scheduler_sigmas` does not reproduce.
+
+    A multistep-solver config (DPM-Solver, UniPC: it has `use_flow_sigmas` / `flow_shift`) with
+    `use_flow_sigmas=True`, as SANA and Wan checkpoints ship, is read as the Euler config with
+    shift=flow_shift; any other scheduler class is refused.
+    """
     class_name = config.get("_class_name")
-    if class_name is not None and class_name != _SCHEDULER_CLASS:
+    solver_config = "use_flow_sigmas" in config or "flow_shift" in config
+    if solver_config and not config.get("use_flow_sigmas"):
+        raise ValueError(
+            "scheduler config use_flow_sigmas is off: this DPM-Solver/UniPC config is not a flow-matching schedule; "
+            f"pass a {_SCHEDULER_CLASS} config"
+        )
+    if class_name not in (None, _SCHEDULER_CLASS) and not solver_config:
         raise ValueError(
             f"scheduler config _class_name={class_name!r} is not supported: flowrl reproduces {_SCHEDULER_CLASS} "
             f"only; pass a {_SCHEDULER_CLASS} config (e.g. shift=<the flow_shift of {class_name}>)"
         )
-    for key in ("flow_shift", "use_flow_sigmas"):  # DPM-Solver / UniPC keys that FlowMatchEuler would ignore
-        if config.get(key):
-            raise ValueError(
-                f"scheduler config {key}={config[key]!r} belongs to a DPM-Solver/UniPC scheduler, which flowrl "
-                f"does not reproduce: pass a {_SCHEDULER_CLASS} config with shift=<flow_shift>"
-            )
     settings = dict(_SCHEDULER_DEFAULTS)
     settings.update({key: value for key, value in config.items() if key in _SCHEDULER_DEFAULTS})
+    if solver_config:
+        settings["shift"] = float(config.get("flow_shift") or 1.0)
     for key in _UNSUPPORTED_SCHEDULER_KEYS:
         if settings[key]:
             raise ValueError(f"scheduler config {key}={settings[key]!r} is not supported: set it to False")
@@ -135,6 +142,11 @@ def scheduler_sigmas(
     linearly from 1 to shift(1/num_train_timesteps) and then shifted again (ALGORITHMS.md §0.1); with dynamic
     shifting the spacing runs from 1 to 1/num_train_timesteps. Karras, exponential and beta sigmas raise a
     ValueError; keys that do not change sigmas (`_class_name` aside) are ignored.
+
+    SANA and Wan checkpoints ship DPM-Solver / UniPC configs (`use_flow_sigmas=True`, `flow_shift`); such a
+    config gives the Euler grid above with shift = flow_shift (and its dynamic-shift / shift_terminal keys),
+    which is the grid flowrl's Euler and SDE samplers walk. It is close to, not equal to, those solvers' own
+    grids (UniPC starts at 1 − 1e-6, DPM-Solver at shift(1 − 1/N)); a config without flow sigmas raises.
 
     Keyword-only extras:
       allow_inverted: accept `invert_sigmas=True` and return diffusers' inverted grid `1 − σ` with a trailing

@@ -90,6 +90,18 @@ def test_other_scheduler_options_match_diffusers_bitwise(config, custom, mu, num
     assert torch.equal(sde.scheduler_sigmas(config, num_steps, sigmas=custom_sigmas, mu=mu), reference.sigmas)
 
 
+@pytest.mark.parametrize("solver", ["UniPCMultistepScheduler", "DPMSolverMultistepScheduler"])
+def test_flow_sigma_solver_configs_read_as_euler_with_their_flow_shift(solver):
+    import diffusers
+
+    # A config as SANA / Wan checkpoints ship it (here built in code, so without _class_name) and as saved.
+    scheduler = getattr(diffusers, solver)(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    config = dict(scheduler.config)
+    reference = diffusers_sigmas({"shift": 5.0}, 10).sigmas
+    assert torch.equal(sde.scheduler_sigmas(config, 10), reference)
+    assert torch.equal(sde.scheduler_sigmas(config | {"_class_name": solver}, 10), reference)
+
+
 def test_inverted_sigmas_only_on_request():
     config = {"shift": 3.0, "invert_sigmas": True}
     with pytest.raises(ValueError, match="invert_sigmas"):
@@ -152,7 +164,8 @@ def test_timesteps_from_sigmas():
         (lambda: sde.scheduler_sigmas({"use_karras_sigmas": True}, 4), "use_karras_sigmas"),
         (lambda: sde.scheduler_sigmas({"use_beta_sigmas": True}, 4), "use_beta_sigmas"),
         (lambda: sde.scheduler_sigmas({"_class_name": "DPMSolverMultistepScheduler"}, 4), "_class_name"),
-        (lambda: sde.scheduler_sigmas({"flow_shift": 3.0, "use_flow_sigmas": True}, 4), "flow_shift"),
+        (lambda: sde.scheduler_sigmas({"_class_name": "UniPCScheduler", "flow_shift": 3.0}, 4), "use_flow_sigmas"),
+        (lambda: sde.scheduler_sigmas({"_class_name": "DDIMScheduler"}, 4), "_class_name"),
         (lambda: sde.scheduler_sigmas(FLUX_CONFIG, 4), "mu"),
         (lambda: sde.scheduler_sigmas({"time_shift_type": "cosine"}, 4), "time_shift_type"),
         (lambda: sde.scheduler_sigmas(SD35_CONFIG, 4, sigmas=[1.0, 0.5]), "sigmas"),

@@ -212,7 +212,7 @@ def _run_score(args: argparse.Namespace) -> int:
     try:
         with torch.no_grad():
             out = score_checked(reward, images, prompts, [{} for _ in prompts])
-    except RuntimeError as err:  # a failing reward, named with the sample index; a remote that cannot be reached
+    except (RuntimeError, ConnectionError) as err:  # a failing reward, named with the sample index; an unreachable remote
         print(f"flowrl score: error: {err}", file=sys.stderr)
         return 1
     scores = nan_to_none(out.scores.cpu().tolist())
@@ -259,7 +259,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoints/step_XXXXXX folder, or 'base' for the untrained model")
     p.add_argument("--out", default=None, help="output folder (default: <run>/eval/step_XXXXXX or <run>/eval/base)")
     p.add_argument("--set", action="append", dest="overrides", metavar="KEY=VALUE", help="config override (dotlist), repeatable")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=None, help="default: eval.batch_size of the config")
 
 
 def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, str]:
@@ -267,7 +267,7 @@ def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, s
 
     The step comes from a `step_XXXXXX` checkpoint folder name (0 for 'base'); the folder defaults to
     <run>/eval/<label>, where <run> holds the checkpoint (runs/<name>/checkpoints/step_X) or, for 'base', is the
-    config's `output_dir`.
+    config's `run_dir` (output_dir/name).
     """
     import os
     import re
@@ -275,7 +275,7 @@ def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, s
     run_dir = None
     if checkpoint == "base":
         step, label = 0, "base"
-        run_dir = getattr(config, "output_dir", None) or getattr(config, "run_dir", None)
+        run_dir = getattr(config, "run_dir", None)  # output_dir / name
     else:
         if not os.path.isdir(checkpoint):
             raise FileNotFoundError(f"--checkpoint {checkpoint!r} does not exist; pass a checkpoints/step_XXXXXX folder or 'base'")
@@ -292,41 +292,38 @@ def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, s
     return os.path.join(str(run_dir), "eval", label), step, label
 
 
-def _reward_spec(spec) -> tuple[str, dict]:
-    """A config reward entry (object with .name/.kwargs, a dict, or a bare name) -> (name, kwargs)."""
-    if isinstance(spec, str):
-        return spec, {}
-    if isinstance(spec, dict):
-        return spec["name"], dict(spec.get("kwargs") or {})
-    return spec.name, dict(getattr(spec, "kwargs", None) or {})
-
-
 def _run_eval(args: argparse.Namespace) -> int:
-    import torch
-
+    """The trainer's evaluation (trainers/grpo.py RunEvaluator) on demand, for one checkpoint or the base model."""
     from flowrl.checkpoint import load_model_for_eval
-    from flowrl.config import load_config
+    from flowrl.config import load_config, load_prompts
     from flowrl.evaluation import evaluate
-    from flowrl.registry import REWARDS, SAMPLERS
+    from flowrl.registry import REWARDS
+    from flowrl.samplers.ode import ODESampler
 
-    config = load_config(args.config, args.overrides or [])
-    out, step, label = _eval_out_dir(config, args.checkpoint, args.out)
-    model = load_model_for_eval(config, args.checkpoint)
-    ev = config.eval
-    device, dtype = model.device, torch.float32
-    rewards, train_names = {}, []
-    for spec in config.rewards:
-        name, kwargs = _reward_spec(spec)
-        rewards[name] = REWARDS.build(name, device=device, dtype=dtype, **kwargs)
-        train_names.append(name)
-    for spec in getattr(ev, "gold_rewards", None) or []:
-        name, kwargs = _reward_spec(spec)
-        if name not in rewards:
-            rewards[name] = REWARDS.build(name, device=device, dtype=dtype, **kwargs)
-    sampler = SAMPLERS.get("ode")(num_steps=ev.num_steps, height=ev.height, width=ev.width, num_frames=ev.num_frames,
-                                  guidance_scale=ev.guidance_scale, scheduler=getattr(ev, "scheduler", None) or "euler")
-    result = evaluate(model, rewards, out, prompts=list(ev.prompts), seeds=list(ev.seeds), sampler=sampler,
-                      train_reward_names=train_names, step=step, label=label, batch_size=args.batch_size)
+    cfg = load_config(args.config, args.overrides or [])
+    e = cfg.eval
+    out, step, label = _eval_out_dir(cfg, args.checkpoint, args.out)
+    if e.prompts or e.prompts_file or e.toy_split:
+        prompts = load_prompts(e.prompts, e.prompts_file, e.toy_split, "eval")
+    else:
+        prompts = load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data")
+    prompts = prompts[: e.num_prompts] if e.num_prompts else prompts
+    model = load_model_for_eval(cfg, args.checkpoint)
+    train_names = [spec.name for spec in cfg.rewards]
+    rewards = {spec.name: REWARDS.get(spec.name)(device=model.device, **spec.kwargs)
+               for spec in list(cfg.rewards) + list(e.gold_rewards)}
+    native_h, native_w, native_f = model.native_size
+    train_sampler = cfg.sampler.kwargs
+    sampler = ODESampler(
+        num_steps=e.num_steps, height=e.height or train_sampler.get("height") or native_h,
+        width=e.width or train_sampler.get("width") or native_w,
+        num_frames=e.num_frames or train_sampler.get("num_frames") or native_f,
+        guidance_scale=e.guidance_scale if e.guidance_scale is not None else train_sampler.get("guidance_scale"),
+        scheduler=e.scheduler,
+    )
+    model.transformer.eval()
+    result = evaluate(model, rewards, out, prompts=prompts, seeds=list(e.seeds), sampler=sampler,
+                      train_reward_names=train_names, step=step, label=label, batch_size=args.batch_size or e.batch_size)
     for name, value in result["means"].items():
         kind = "train" if name in train_names else "gold"
         print(f"{name:<28} {kind:<5} {'n/a' if value is None else f'{value:.6g}'}")

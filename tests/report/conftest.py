@@ -29,8 +29,8 @@ def chromium(tmp_path_factory):
 def evaluated_run(tiny_model, tmp_path_factory):
     """A small real run folder: tiny SD3, base eval, weights perturbed (stands in for training), eval at step 2.
 
-    jpeg_compressibility is the training reward and jpeg_incompressibility (its exact negative) the gold one,
-    so any rise of the first is an equal fall of the second.
+    jpeg_incompressibility is the training reward and jpeg_compressibility (its exact negative) the gold one,
+    so any rise of the first is an equal fall of the second: reward hacking by construction.
     """
     import torch
 
@@ -43,7 +43,7 @@ def evaluated_run(tiny_model, tmp_path_factory):
     rewards = {name: REWARDS.build(name, device="cpu", dtype=torch.float32)
                for name in ("jpeg_compressibility", "jpeg_incompressibility")}
     common = dict(prompts=["a red circle", "two blue squares"], seeds=[3, 5, 8], sampler=sampler,
-                  train_reward_names=["jpeg_compressibility"], batch_size=4)
+                  train_reward_names=["jpeg_incompressibility"], batch_size=4)
     base = evaluate(model, rewards, run / "eval" / "base", step=0, label="base", **common)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -55,6 +55,6 @@ def evaluated_run(tiny_model, tmp_path_factory):
     with open(run / "metrics.jsonl", "w") as f:
         for step in (1, 2):
             f.write(json.dumps({"step": step, "time": float(step), "train/loss": 0.5 / step, "train/kl": 0.001 * step,
-                                "reward/jpeg_compressibility/mean": -1.5 + 0.1 * step,
-                                "reward/jpeg_compressibility/std": 0.1}) + "\n")
+                                "reward/jpeg_incompressibility/mean": 1.4 + 0.02 * step,
+                                "reward/jpeg_incompressibility/std": 0.1}) + "\n")
     return {"run": run, "base": base, "later": later, "model": model, "sampler": sampler, "rewards": rewards, **common}

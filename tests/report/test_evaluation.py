@@ -50,7 +50,7 @@ def test_scores_and_means_match_the_rewards_on_the_saved_images(evaluated_run):
         folder = r["run"] / "eval" / label
         on_disk = json.loads((folder / "scores.json").read_text())
         assert on_disk == json.loads(json.dumps(result))
-        assert on_disk["rewards"] == {"train": ["jpeg_compressibility"], "gold": ["jpeg_incompressibility"]}
+        assert on_disk["rewards"] == {"train": ["jpeg_incompressibility"], "gold": ["jpeg_compressibility"]}
         assert on_disk["is_video"] is False and on_disk["step"] == (0 if label == "base" else 2)
         images = media.load_images([str(folder / x["image"]) for x in on_disk["samples"]])
         rescored = r["rewards"]["jpeg_compressibility"](images, ["x"] * len(images), [{}] * len(images)).scores

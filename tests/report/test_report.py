@@ -166,7 +166,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 def test_eval_output_folder_follows_the_run_layout(tmp_path):
     class Config:
-        output_dir = str(tmp_path / "runs" / "demo")
+        run_dir = tmp_path / "runs" / "demo"
 
     checkpoint = tmp_path / "runs" / "demo" / "checkpoints" / "step_000120"
     checkpoint.mkdir(parents=True)
@@ -177,3 +177,31 @@ def test_eval_output_folder_follows_the_run_layout(tmp_path):
         _eval_out_dir(object(), "base", None)
     with pytest.raises(FileNotFoundError, match="--checkpoint"):
         _eval_out_dir(Config(), str(tmp_path / "missing"), None)
+
+
+def test_flowrl_eval_base_reproduces_the_runs_base_eval(evaluated_run, tiny_pipeline, tmp_path, capsys):
+    import yaml
+
+    r = evaluated_run
+    config = {
+        "name": "tiny_sd3", "output_dir": str(tmp_path / "runs"), "device": "cpu",
+        "model": {"path": tiny_pipeline("sd3")},
+        "data": {"prompts": ["unused"], "num_prompts_per_step": 1, "group_size": 2},
+        "sampler": {"name": "sde", "num_steps": 3, "height": 32, "width": 32, "guidance_scale": 1.0},
+        "rewards": [{"name": "jpeg_incompressibility"}],
+        "eval": {"prompts": r["prompts"], "seeds": r["seeds"], "num_steps": 2, "guidance_scale": 1.0,
+                 "gold_rewards": [{"name": "jpeg_compressibility"}]},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    assert main(["eval", "--config", str(tmp_path / "config.yaml"), "--checkpoint", "base"]) == 0
+    out = tmp_path / "runs" / "tiny_sd3" / "eval" / "base"  # run_dir/eval/base by default
+    assert f"wrote {out}/scores.json" in capsys.readouterr().out
+    scores = json.loads((out / "scores.json").read_text())
+    assert scores["rewards"] == {"train": ["jpeg_incompressibility"], "gold": ["jpeg_compressibility"]}
+    assert scores["step"] == 0 and scores["label"] == "base" and scores["sampler"]["num_steps"] == 2
+    for new, old in zip(scores["samples"], r["base"]["samples"], strict=True):
+        a = np.asarray(Image.open(out / new["image"]), dtype=np.int16)
+        b = np.asarray(Image.open(r["run"] / "eval" / "base" / old["image"]), dtype=np.int16)
+        assert np.abs(a - b).max() <= 1
+    assert main(["eval", "--config", str(tmp_path / "config.yaml"), "--checkpoint", str(tmp_path / "nope")]) == 2
+    assert "--checkpoint" in capsys.readouterr().err

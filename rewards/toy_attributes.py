@@ -31,10 +31,11 @@ class ToyAttributesReward:
         from flowrl.toy.judges import judge_input
         from flowrl.toy.world import parse_prompt
 
+        images = judge_input(images.to(self.device), self.dtype)  # [N, 3, 32, 32]
         if len(prompts) != images.shape[0]:
             raise ValueError(f"toy_attributes: {images.shape[0]} images but {len(prompts)} prompts; give one prompt per image")
         labels = torch.tensor([parse_prompt(p).labels for p in prompts], device=self.device)  # [N, 3]
-        logits = self.judge(judge_input(images.to(self.device), self.dtype))
+        logits = self.judge(images)
         parts = {
             name: logits[name].float().softmax(dim=1).gather(1, labels[:, i : i + 1]).squeeze(1)  # [N]
             for i, name in enumerate(("count", "colour", "shape"))

@@ -25,25 +25,25 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from flowrl.models.toy import MANIFEST_FILE, MODEL_FILE, WEIGHTS_DIR, build_text_encoder, build_unet, file_digest, tokenize
+from flowrl.models.toy import MANIFEST_FILE, MODEL_FILE, WEIGHTS_DIR, build_text_encoder, build_unet, file_digest, pack, tokenize, unpack
 from flowrl.toy.world import random_batch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2400; --quick: 30)")
-    p.add_argument("--batch-size", type=int, default=None, help="images per step (default 64; --quick: 16)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3000; --quick: 30)")
+    p.add_argument("--batch-size", type=int, default=None, help="images per step (default 32; --quick: 16)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--ema-decay", type=float, default=None, help="default 0.998 (--quick: 0)")
     p.add_argument("--cond-dropout", type=float, default=0.1, help="probability of training on the empty prompt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="1 is fastest on a shared machine (no spin-waiting)")
     p.add_argument("--save-every-n-steps", type=int, default=0, help="also write checkpoints/step_XXXXXX.safetensors")
     p.add_argument("--out", default=None, help=f"output folder (default {WEIGHTS_DIR}; --quick: a temporary folder)")
     p.add_argument("--quick", action="store_true", help="test-sized run: 30 steps of batch 16, no EMA")
     args = p.parse_args(argv)
-    defaults = dict(steps=30, batch_size=16, ema_decay=0.0) if args.quick else dict(steps=2400, batch_size=64, ema_decay=0.998)
+    defaults = dict(steps=30, batch_size=16, ema_decay=0.0) if args.quick else dict(steps=3000, batch_size=32, ema_decay=0.998)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -66,7 +66,7 @@ class ToyDenoiser(torch.nn.Module):
 
     def forward(self, latents: torch.Tensor, sigma: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         embeds = self.text_encoder(input_ids=input_ids).last_hidden_state  # [N, L, D]
-        return self.transformer(latents, sigma * 1000.0, encoder_hidden_states=embeds).sample  # [N, 3, H, W]
+        return unpack(self.transformer(pack(latents), sigma * 1000.0, encoder_hidden_states=embeds).sample)  # [N, 3, H, W]
 
 
 def training_batch(num: int, cond_dropout: float, generator: torch.Generator):

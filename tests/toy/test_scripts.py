@@ -1,0 +1,54 @@
+"""The scripts that make the shipped weights: quick runs learn, and every shipped file is recorded."""
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from flowrl.models.toy import WEIGHTS_DIR, load_toy_model
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pretrain_quick_lowers_the_loss_and_records_the_file(tmp_path):
+    entry = load_script("pretrain_toy").main(["--quick", "--steps", "8", "--batch-size", "8", "--out", str(tmp_path)])
+    assert entry["eval_loss_after"] < entry["eval_loss_before"] - 0.05, entry
+    path = tmp_path / "toy_model.safetensors"
+    manifest = json.loads((tmp_path / "manifest.json").read_text())["toy_model.safetensors"]
+    assert manifest["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() and manifest["size"] == path.stat().st_size
+    assert manifest["seed"] == 0 and "--quick" in manifest["command"]
+    model = load_toy_model(checkpoint=path)
+    assert model.velocity(model.prepare_latents(1, 32, 32, None), 0.5, model.encode(["one red circle"]), 1.0).shape == (1, 3, 32, 32)
+
+
+def test_judge_quick_run_records_its_accuracy(tmp_path):
+    entry = load_script("train_toy_judges").main(["--judge", "artifact", "--quick", "--steps", "3", "--num-eval", "32", "--out", str(tmp_path)])
+    assert set(entry["heldout_accuracy"]) == {"clean_raw", "clean_softened", "noise", "blocking", "stripes", "saturation", "balanced"}
+    assert (tmp_path / "toy_artifact.safetensors").is_file()
+
+
+def test_bad_script_arguments():
+    with pytest.raises(ValueError, match="--ema-decay=1.5 must be in"):
+        load_script("pretrain_toy").parse_args(["--ema-decay", "1.5"])
+
+
+def test_every_shipped_weight_file_is_small_and_recorded():
+    manifest = json.loads((WEIGHTS_DIR / "manifest.json").read_text())
+    assert set(manifest) == {"toy_model.safetensors", "toy_attributes.safetensors", "toy_artifact.safetensors"}
+    assert {p.name for p in WEIGHTS_DIR.glob("*.safetensors")} == set(manifest)
+    total = 0
+    for name, entry in manifest.items():
+        data = (WEIGHTS_DIR / name).read_bytes()
+        assert len(data) == entry["size"] < 8 * 2**20 and hashlib.sha256(data).hexdigest() == entry["sha256"]
+        assert entry["command"].startswith("python scripts/") and isinstance(entry["seed"], int)
+        total += len(data)
+    assert total < 12 * 2**20

@@ -48,11 +48,10 @@ class PipelineFlowModel:
         if len(prompts) == 0:
             raise ValueError("prompts is empty: pass at least one prompt")
         negative = negative_prompt if self.uses_cfg(guidance_scale) else None
-        missing = list(dict.fromkeys(p for p in prompts if (p, negative) not in self._cache))
-        if missing:
-            cond = self._encode_batch(missing, negative)
-            for i, prompt in enumerate(missing):
-                self._cache[(prompt, negative)] = {k: v[i : i + 1] for k, v in cond.items()}
+        # one prompt per text-encoder call: an embedding must not depend on which prompts shared its batch
+        # (batch-size-dependent numerics would make a resumed run drift from an uninterrupted one)
+        for prompt in dict.fromkeys(p for p in prompts if (p, negative) not in self._cache):
+            self._cache[(prompt, negative)] = self._encode_batch([prompt], negative)
         return concat_cond([self._cache[(p, negative)] for p in prompts])
 
     def uses_cfg(self, guidance_scale: float) -> bool:

@@ -159,7 +159,7 @@ def trained_transitions(rollout: Rollout, fraction: float, shuffle: bool, genera
 class GRPOTrainer:
     def __init__(self, cfg: RunConfig, accelerator=None):
         from accelerate import Accelerator
-        from accelerate.utils import ProjectConfiguration
+        from accelerate.utils import ProjectConfiguration, set_seed
 
         from flowrl.models import load_flow_model
 
@@ -185,7 +185,8 @@ class GRPOTrainer:
         if self.local_n % (t.num_minibatches * 1) or self.local_n % t.num_rollout_batches:
             raise ValueError(f"the {self.local_n} samples per process do not split into train.num_minibatches="
                              f"{t.num_minibatches} and train.num_rollout_batches={t.num_rollout_batches}")
-        # the model, its adapter and the optimizer
+        # the model, its adapter and the optimizer (seeded: every process starts from the same adapter)
+        set_seed(cfg.seed)
         self.model = load_flow_model(cfg.model.path, dtype=cfg.model.dtype, device=acc.device)
         if cfg.model.use_lora:
             targets = tuple(cfg.model.lora_target_modules) if cfg.model.lora_target_modules else None
@@ -253,6 +254,10 @@ class GRPOTrainer:
         self.counters = ts["counters"]
         if state["rng"] is not None:
             set_rng_state(state["rng"])
+        metrics = self.run_dir / "metrics.jsonl"
+        if self.accelerator.is_main_process and metrics.exists():  # forget steps logged after this checkpoint
+            kept = [line for line in metrics.read_text().splitlines() if _logged_step(line) <= self.step]
+            metrics.write_text("".join(line + "\n" for line in kept))
 
     # ------------------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
@@ -572,6 +577,13 @@ class _nullcontext:
 
     def __exit__(self, *exc):
         return False
+
+
+def _logged_step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62  # a line cut by a crash: drop it
 
 
 def _finite(metrics: dict) -> dict:

@@ -134,7 +134,7 @@ def test_prompt_cache_encodes_each_prompt_once(tiny_model):
     model.pipe.encode_prompt = lambda *a, **k: calls.append(k["prompt"]) or original(*a, **k)
     first = model.encode(["a", "b", "a"], guidance_scale=4.5)
     second = model.encode(["b", "a"], guidance_scale=4.5)
-    assert calls == [["a", "b"]]
+    assert calls == [["a"], ["b"]]  # each prompt once, alone
     torch.testing.assert_close(first["prompt_embeds"][1], second["prompt_embeds"][0])
     assert first["negative_prompt_embeds"].shape == first["prompt_embeds"].shape
 

@@ -24,6 +24,8 @@ scores.json (format "flowrl.eval/1"); P prompts, S seeds, samples in prompt-majo
                     "per_prompt": [float | null] * P,   # mean pairwise distance of the prompt's S samples
                     "mean": float | null},              # null when S = 1
       "sampler": {"name": str, "num_steps": int, "guidance_scale": float | null, "scheduler": str, ...},
+      "environment": {"family": str, "device": str, "device_name": str, "dtype": str, "python": str,
+                      "torch": str, "diffusers": str, "transformers": str, "flowrl": str},
       "time_s": float                            # wall time of sampling + scoring
     }
 
@@ -88,6 +90,24 @@ def _sampler_record(sampler: Any) -> dict[str, Any]:
             if value is None or isinstance(value, (bool, int, float, str)):
                 record[f.name] = value
     return record
+
+
+def _environment(model: FlowModel) -> dict[str, str]:
+    """Where the evaluation ran: model family, device (and its name), dtype, Python and package versions."""
+    import platform
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    device = torch.device(model.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    env = {"family": str(model.family), "device": str(device), "device_name": name, "dtype": str(model.dtype).replace("torch.", ""),
+           "python": sys.version.split()[0]}
+    for package in ("torch", "diffusers", "transformers", "flowrl"):
+        try:
+            env[package] = version(package)
+        except PackageNotFoundError:
+            env[package] = "not installed"
+    return env
 
 
 def _check_inputs(model: FlowModel, rewards: dict[str, Reward], prompts: list[str], seeds: list[int],
@@ -185,6 +205,7 @@ def evaluate(model: FlowModel, rewards: dict[str, Reward], out_dir: str | os.Pat
         "means": means,
         "diversity": {"space": space, "per_prompt": diversity, "mean": nanmean(diversity)},
         "sampler": _sampler_record(sampler),
+        "environment": _environment(model),
         "time_s": round(time.perf_counter() - start, 4),
     }
     tmp = out / "scores.json.tmp"

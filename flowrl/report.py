@@ -563,7 +563,8 @@ def _run_samples(run: RunRecord, blocks: list[EvalRecord], thumb: int) -> str:
 
 
 def environment() -> dict[str, str]:
-    """Package versions, Python, platform and device of the machine building the report."""
+    """Package versions, Python and platform of the machine building the report (torch is not imported for it;
+    the device each evaluation ran on is in its scores.json)."""
     from importlib.metadata import PackageNotFoundError, version
 
     env = {"python": sys.version.split()[0], "platform": platform.platform()}
@@ -572,13 +573,19 @@ def environment() -> dict[str, str]:
             env[package] = version(package)
         except PackageNotFoundError:
             env[package] = "not installed"
-    try:
-        import torch
-
-        env["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
-    except ImportError:
-        env["device"] = "unknown (torch not importable)"
     return env
+
+
+def _eval_environments(run: RunRecord) -> str:
+    """Where each evaluation ran: scores.json "environment" (device, dtype, versions)."""
+    rows = [(r.title, r.scores["environment"]) for r in run.evals if isinstance(r.scores.get("environment"), dict)]
+    if not rows:
+        return ""
+    keys = list(dict.fromkeys(k for _, env in rows for k in env))
+    head = "".join(f"<th>{_esc(k)}</th>" for k in keys)
+    body = "".join(f"<tr><td>{_esc(t)}</td>" + "".join(f"<td>{_esc(env.get(k, ''))}</td>" for k in keys) + "</tr>"
+                   for t, env in rows)
+    return f"<h4>Evaluation environment</h4><table><tr><th>eval</th>{head}</tr>{body}</table>"
 
 
 def _unique_names(runs: list[RunRecord]) -> None:
@@ -626,7 +633,7 @@ def build_report(run_dir: str | os.PathLike, compare: list[str | os.PathLike] | 
             grid, _ = render_grid(blocks, prompts, seeds, train + gold, thumb=thumb)
             tag = "base" if record.name == "base" else f"{record.step:06d}"
             name = f"grid_{tag}.png" if i == 0 else f"grid_{run.name}_{tag}.png"
-            grid.save(out / name)
+            grid.save(out / name, compress_level=1)  # large grids: fast zlib level, still lossless
             grids.append(name)
         rows = hacking_rows(run, hacking_margin)
         flags[run.name] = [(row["name"], n) for row in rows for n in row["flagged"]]
@@ -636,7 +643,7 @@ def build_report(run_dir: str | os.PathLike, compare: list[str | os.PathLike] | 
         sections["samples"].append(title + _run_samples(run, reference + later, thumb))
         config = _esc(run.config_text) if run.config_text is not None else "(config.yaml missing)"
         summary = f"<h4>summary.json</h4><pre>{_esc(json.dumps(run.summary, indent=1))}</pre>" if run.summary else ""
-        sections["config"].append(f"{title}<pre>{config}</pre>{summary}")
+        sections["config"].append(f"{title}<pre>{config}</pre>{summary}{_eval_environments(run)}")
     page = _page(runs, gaps, sections, curves_png(runs), environment(), grids)
     (out / "index.html").write_text(page, encoding="utf-8")
     return {"index": str(out / "index.html"), "grids": [str(out / g) for g in grids], "gaps": gaps, "flags": flags,

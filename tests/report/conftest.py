@@ -51,7 +51,7 @@ def evaluated_run(tiny_model, tmp_path_factory):
             parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
     later = evaluate(model, rewards, run / "eval" / "step_000002", step=2, label="step_000002", **common)
     (run / "checkpoints" / "step_000002").mkdir(parents=True)
-    (run / "config.yaml").write_text("model:\n  path: tiny-sd3\nrewards:\n  - name: jpeg_compressibility\n")
+    (run / "config.yaml").write_text("model:\n  path: tiny-sd3\nrewards:\n  - name: jpeg_incompressibility\n")
     with open(run / "metrics.jsonl", "w") as f:
         for step in (1, 2):
             f.write(json.dumps({"step": step, "time": float(step), "train/loss": 0.5 / step, "train/kl": 0.001 * step,

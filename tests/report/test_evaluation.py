@@ -52,6 +52,7 @@ def test_scores_and_means_match_the_rewards_on_the_saved_images(evaluated_run):
         assert on_disk == json.loads(json.dumps(result))
         assert on_disk["rewards"] == {"train": ["jpeg_incompressibility"], "gold": ["jpeg_compressibility"]}
         assert on_disk["is_video"] is False and on_disk["step"] == (0 if label == "base" else 2)
+        assert on_disk["environment"]["device"] == "cpu" and on_disk["environment"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
         images = media.load_images([str(folder / x["image"]) for x in on_disk["samples"]])
         rescored = r["rewards"]["jpeg_compressibility"](images, ["x"] * len(images), [{}] * len(images)).scores
         stored = [x["scores"]["jpeg_compressibility"] for x in on_disk["samples"]]

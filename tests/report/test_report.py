@@ -205,3 +205,28 @@ def test_flowrl_eval_base_reproduces_the_runs_base_eval(evaluated_run, tiny_pipe
         assert np.abs(a - b).max() <= 1
     assert main(["eval", "--config", str(tmp_path / "config.yaml"), "--checkpoint", str(tmp_path / "nope")]) == 2
     assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_steps_choice_and_large_images_shrunk_to_thumb(tmp_path):
+    import base64
+    import io
+
+    from PIL import ImageSequence
+
+    run_dir = fabricate_run(tmp_path, "big", prompts=PROMPTS[:1], seeds=SEEDS[:2], steps=[0, 5, 10], video=True, size=48)
+    result = build_report(run_dir, out_dir=tmp_path / "out", steps=[10, 15], thumb=24)
+    assert [p.rsplit("/", 1)[1] for p in result["grids"]] == ["grid_000010.png"]
+    assert ("big", "eval/step_000015 requested with --steps does not exist") in result["gaps"]
+    _, geometry = render_grid(load_run(run_dir).evals[::2], PROMPTS[:1], SEEDS[:2], [TRAIN, GOLD], thumb=24)
+    grid = np.asarray(Image.open(tmp_path / "out" / "grid_000010.png").convert("RGB"))
+    for (b, p, s), (x0, y0, x1, y1) in geometry["cells"].items():
+        assert (x1 - x0, y1 - y0) == (3 * 24, 24)  # 48 px frames shrunk to 24
+        assert tuple(grid[(y0 + y1) // 2, x0 + 12]) == colour(2 * b, p, s, 0)  # blocks: base and step 10 (eval index 2)
+    page = (tmp_path / "out" / "index.html").read_text()
+    sources = Cells(page).images
+    decoded = [Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))) for src in sources if "plot" not in src]
+    strips = [im for im in decoded if im.format == "PNG" and im.size == (72, 24)]
+    gifs = [im for im in decoded if im.format == "GIF"]
+    assert len(strips) == 2 * 2 and len(gifs) == 2 * 2  # base and step 10 only (step 5 not chosen), 2 seeds
+    assert all(im.size == (24, 24) and len(list(ImageSequence.Iterator(im))) == 3 for im in gifs)
+    assert ">step 5<" not in page.split('id="samples"')[1].split('id="config"')[0]

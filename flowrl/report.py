@@ -165,6 +165,27 @@ def load_run(run_dir: str | os.PathLike) -> RunRecord:
     return run
 
 
+def scores_problem(scores: Any) -> str | None:
+    """Why a scores.json cannot be shown (None when it follows the flowrl.evaluation schema well enough)."""
+    if not isinstance(scores, dict):
+        return "is not a JSON object"
+    for key, kind in (("prompts", list), ("seeds", list), ("samples", list), ("rewards", dict)):
+        if not isinstance(scores.get(key), kind):
+            return f"has no {key!r} {kind.__name__}"
+    num_prompts = len(scores["prompts"])
+    for i, sample in enumerate(scores["samples"]):
+        if not (isinstance(sample, dict) and isinstance(sample.get("prompt_index"), int) and 0 <= sample["prompt_index"] < num_prompts
+                and "seed" in sample and isinstance(sample.get("image"), str) and isinstance(sample.get("scores", {}), dict)):
+            return f"sample {i} lacks a valid prompt_index, seed, image or scores"
+    for name, values in (scores.get("per_prompt") or {}).items():
+        if not isinstance(values, list) or len(values) != num_prompts:
+            return f"per_prompt[{name!r}] does not hold one value per prompt"
+    diversity = (scores.get("diversity") or {}).get("per_prompt")
+    if diversity is not None and (not isinstance(diversity, list) or len(diversity) != num_prompts):
+        return "diversity.per_prompt does not hold one value per prompt"
+    return None
+
+
 def _load_evals(run: RunRecord) -> None:
     eval_root = run.path / "eval"
     folders = sorted(eval_root.iterdir()) if eval_root.is_dir() else []
@@ -180,6 +201,10 @@ def _load_evals(run: RunRecord) -> None:
             scores = json.loads(scores_path.read_text())
         except json.JSONDecodeError:
             run.gaps.append(f"eval/{folder.name}/scores.json is not valid JSON (interrupted write?): that evaluation is left out")
+            continue
+        problem = scores_problem(scores)
+        if problem:
+            run.gaps.append(f"eval/{folder.name}/scores.json {problem}: that evaluation is left out")
             continue
         step = 0 if folder.name == "base" else int(match.group(1))
         record = EvalRecord(folder.name, step, folder, scores)
@@ -648,6 +673,13 @@ def build_report(run_dir: str | os.PathLike, compare: list[str | os.PathLike] | 
     (out / "index.html").write_text(page, encoding="utf-8")
     return {"index": str(out / "index.html"), "grids": [str(out / g) for g in grids], "gaps": gaps, "flags": flags,
             "seconds": round(time.perf_counter() - start, 3), "index_bytes": (out / "index.html").stat().st_size}
+
+
+def write_report(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike | None = None, **options: Any) -> Path:
+    """The first run compared with the others (as `flowrl report RUN --compare ...`); returns index.html's path."""
+    if not run_dirs:
+        raise ValueError("write_report: run_dirs is empty; pass at least one runs/<name> folder")
+    return Path(build_report(run_dirs[0], list(run_dirs[1:]), out_dir, **options)["index"])
 
 
 def _overview(runs: list[RunRecord]) -> str:

@@ -120,11 +120,15 @@ def test_gaps_missing_image_truncated_metrics_missing_checkpoint(tmp_path):
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 11, "train/lo')  # a crash mid-line
     shutil.rmtree(run_dir / "checkpoints" / "step_000010")
+    for name, text in (("step_000011", '{"prompts": ["a"], "see'), ("step_000012", '{"prompts": ["a"], "seeds": [0]}')):
+        (run_dir / "eval" / name).mkdir()
+        (run_dir / "eval" / name / "scores.json").write_text(text)  # an interrupted write; a foreign file
     assert main(["report", str(run_dir)]) == 0
     page_text = (run_dir / "report" / "index.html").read_text()
     page = Cells(page_text)
     expected = ["eval/step_000005/p001_s002.png is missing", "metrics.jsonl line 11 is not valid JSON",
-                "checkpoints/step_000010/ is missing"]
+                "checkpoints/step_000010/ is missing", "eval/step_000011/scores.json is not valid JSON",
+                "eval/step_000012/scores.json has no 'samples' list"]
     for text in expected:
         assert sum(text in gap for gap in page.gaps) == 1, (text, page.gaps)
     assert "missing p001_s002.png" in page_text  # stated in the grid cell too, instead of a broken image
@@ -153,6 +157,18 @@ def test_compare_shows_both_runs(tmp_path, capsys):
                 shown = [c for c in page.cells if c.get("run") == name and c["step"] == folder and c["reward"] == reward
                          and c.get("prompt") == "all" and c.get("kind") == "overview"]
                 assert len(shown) == 1 and float(shown[0]["text"]) == pytest.approx(scores["means"][reward], rel=1e-3)
+
+
+def test_write_report_is_the_library_entry(tmp_path):
+    from flowrl.report import write_report
+
+    a = fabricate_run(tmp_path, "alpha", prompts=PROMPTS[:1], seeds=SEEDS[:2], steps=[0, 1])
+    b = fabricate_run(tmp_path, "beta", prompts=PROMPTS[:1], seeds=SEEDS[:2], steps=[0, 1])
+    index = write_report([a, b], tmp_path / "w")
+    assert index == tmp_path / "w" / "index.html" and index.is_file()
+    assert {c.get("run") for c in Cells(index.read_text()).cells} == {"alpha", "beta"}
+    with pytest.raises(ValueError, match="run_dirs is empty"):
+        write_report([])
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
@@ -230,3 +246,10 @@ def test_steps_choice_and_large_images_shrunk_to_thumb(tmp_path):
     assert len(strips) == 2 * 2 and len(gifs) == 2 * 2  # base and step 10 only (step 5 not chosen), 2 seeds
     assert all(im.size == (24, 24) and len(list(ImageSequence.Iterator(im))) == 3 for im in gifs)
     assert ">step 5<" not in page.split('id="samples"')[1].split('id="config"')[0]
+
+
+def test_not_applicable_scores_show_as_na():
+    from flowrl.report import caption_lines, fmt, fmt_delta
+
+    assert caption_lines({"scores": {"ocr": None, "clip": 0.123456}}, ["ocr", "clip"]) == ["ocr n/a", "clip 0.1235"]
+    assert (fmt(None), fmt(float("nan")), fmt(-1234.5678), fmt_delta(0.5), fmt_delta(None)) == ("n/a", "n/a", "-1235", "+0.5", "n/a")

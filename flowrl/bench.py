@@ -129,3 +129,83 @@ def bench_report(repeats: int = 1, num_prompts: int = 100, num_seeds: int = 8, n
         "num_grids": len(result["grids"]),
         "grid_png_bytes": grid_bytes,
     }
+
+
+def bench_rewards(repeats: int = 3, batch_size: int = 8, remote_batch_size: int = 16, real_sizes: bool = True) -> dict:
+    """Images/s of every reward at batch 8 on its tiny checkpoint (flowrl.rewards.tiny); the CLIP and BLIP families
+    at their real default sizes with random weights (best of min(repeats, 2): a ViT-H call takes seconds on a CPU);
+    and the `remote` reward (a serve-reward server in a thread, PNG over HTTP) over in-process at batch 16."""
+    import threading
+
+    import open_clip
+    import torch
+
+    from flowrl.registry import REWARDS
+    from flowrl.rewards.reward_server import make_server
+    from flowrl.rewards.tiny import BERT_BASE, BLIP_LARGE, TINY_REWARDS, make_imagereward_files, tiny_aesthetic_head, tiny_open_clip
+
+    def inputs(reward, n: int, size: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        shape = (n, 3, size, size) if "image" in reward.modalities else (n, 4, 3, size, size)  # video: 4 frames
+        return torch.randint(0, 256, shape, generator=generator).float() / 255
+
+    def images_per_s(reward, n: int, size: int, rounds: int) -> float:
+        images, prompts = inputs(reward, n, size), [f'a sign that says "reward {i}"' for i in range(n)]
+        seconds = best_times({"score": lambda: reward(images, prompts, [{} for _ in prompts])}, rounds)["score"]
+        return round(n / seconds, 3)
+
+    result: dict = {"settings": {"batch_size": batch_size, "remote_batch_size": remote_batch_size, "repeats": repeats,
+                                 "threads": torch.get_num_threads(), "device": "cpu", "unit": "images/s (video rewards: videos of 4 frames/s)"},
+                    "tiny": {}, "real": {}}
+    with tempfile.TemporaryDirectory() as root, torch.no_grad():
+        for name, build in TINY_REWARDS.items():
+            folder = Path(root) / "tiny" / name
+            folder.mkdir(parents=True)
+            try:
+                reward = REWARDS.build(name, **build(folder))
+            except (FileNotFoundError, ImportError) as err:
+                result["tiny"][name] = {"skipped": str(err)}
+                continue
+            result["tiny"][name] = {"images_per_s": images_per_s(reward, batch_size, 64, repeats)}
+        if not real_sizes:
+            return result
+        rounds = min(repeats, 2)
+
+        def open_clip_folder(arch: str) -> str:  # config only: open_clip initializes the real architecture randomly
+            return tiny_open_clip(Path(root) / arch, with_weights=False, model_cfg=open_clip.get_model_config(arch))[0]
+
+        vit_l = open_clip_folder("ViT-L-14")
+        tiny_aesthetic_head(Path(root) / "aesthetic.pth", dims=(768, 1024, 128, 64, 16, 1))
+        real = {
+            "clipscore[ViT-L-14]": lambda: REWARDS.build("clipscore", model_name=vit_l, pretrained=None),
+            "aesthetic[ViT-L-14 + MLP]": lambda: REWARDS.build("aesthetic", model_name=vit_l, pretrained=None, checkpoint=str(Path(root) / "aesthetic.pth")),
+            # hpsv2 and pickscore run this same computation (CLIP ViT-H-14 image + text towers, cosine)
+            "hpsv2/pickscore[ViT-H-14]": lambda: REWARDS.build("clipscore", model_name=open_clip_folder("ViT-H-14"), pretrained=None),
+            "imagereward[BLIP ViT-L + BERT-base]": lambda: REWARDS.build("imagereward", **make_imagereward_files(
+                Path(root) / "imagereward", vision=BLIP_LARGE, med_overrides=BERT_BASE,
+                words=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(30517)], dtype=torch.bfloat16)),
+        }
+        for label, build_reward in real.items():
+            start = time.perf_counter()
+            reward = build_reward()
+            result["real"][label] = {"load_s": round(time.perf_counter() - start, 2), "images_per_s": images_per_s(reward, batch_size, 512, rounds)}
+            if label.startswith("clipscore"):
+                local = reward
+            else:
+                del reward
+
+        # remote vs in-process: the same ViT-L-14 clipscore, 512x512 images, batch 16
+        server = make_server(local, port=0)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            remote = REWARDS.build("remote", url=f"http://127.0.0.1:{server.server_address[1]}", timeout_s=600)
+            images = inputs(local, remote_batch_size, 512)
+            prompts, metadata = [f"prompt {i}" for i in range(remote_batch_size)], [{} for _ in range(remote_batch_size)]
+            times = best_times({"local": lambda: local(images, prompts, metadata), "remote": lambda: remote(images, prompts, metadata)}, rounds)
+        finally:
+            server.shutdown()
+            server.server_close()
+        result["remote"] = {"reward": "clipscore[ViT-L-14]", "image_size": 512, "batch_size": remote_batch_size,
+                            "local_s": round(times["local"], 3), "remote_s": round(times["remote"], 3),
+                            "remote_over_local": round(times["remote"] / times["local"], 3)}
+    return result

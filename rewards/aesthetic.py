@@ -47,7 +47,8 @@ class AestheticReward:
     def __init__(self, device: Any = "cpu", dtype: torch.dtype = torch.float32, checkpoint: str | None = None,
                  model_name: str = "ViT-L-14", pretrained: str | None = "openai"):
         if checkpoint is None or not os.path.isfile(checkpoint):
-            raise FileNotFoundError(f"aesthetic: checkpoint={checkpoint!r} is not a file; download it from {WEIGHTS_URL} and pass checkpoint=")
+            given = "is not set" if checkpoint is None else f"{checkpoint!r} does not exist"
+            raise FileNotFoundError(f"aesthetic: checkpoint {given}; download it from {WEIGHTS_URL} and pass checkpoint=")
         self.device, self.dtype = torch.device(device), dtype
         self.model, _, self.preprocess = load_open_clip(model_name, pretrained, self.device, dtype)
         self.head = build_aesthetic_head(read_state_dict(checkpoint, "checkpoint")).to(self.device, dtype).eval().requires_grad_(False)

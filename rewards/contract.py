@@ -60,7 +60,7 @@ def score_checked(reward: Any, images: torch.Tensor, prompts: list[str], metadat
     metadata = metadata if metadata is not None else [{} for _ in prompts]
     try:
         out = reward(images, prompts, metadata)
-    except ValueError:
+    except (ValueError, OSError):  # bad input, missing files, unreachable servers: not a per-sample failure
         raise
     except Exception as err:  # find the first sample that fails on its own, to name it
         index = _first_failing_index(reward, images, prompts, metadata)

@@ -27,8 +27,8 @@ from .contract import check_inputs
 RETRY_STATUS = (502, 503, 504)
 
 
-class RemoteRewardError(RuntimeError):
-    """The remote reward could not be reached or answered wrongly."""
+class RemoteRewardError(ConnectionError):
+    """The remote reward could not be reached or answered wrongly (raised as is by score_checked: no per-sample retry)."""
 
 
 @REWARDS.register("remote")

@@ -1,117 +1,16 @@
-"""Tiny checkpoints for every reward, in the official formats, built in code and saved to a folder.
-
-`REWARD_FACTORIES[name](folder) -> kwargs` builds reward `name`'s tiny weights under `folder` and returns the
-config that loads them through the plugin's own loading code.
-"""
+"""Tiny checkpoint factories for the reward tests: flowrl.rewards.tiny plus `remote` (an in-thread server)."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import string
 import threading
 from pathlib import Path
 from typing import Any, Callable
 
-import pytest
-import torch
+from flowrl.rewards.tiny import (  # noqa: F401  (re-exported for the test modules)
+    MED, TINY_REWARDS, VISION, WORDS, make_imagereward_files, tiny_aesthetic_head, tiny_open_clip, tiny_pickscore,
+)
 
-OPENAI_MEAN = [0.48145466, 0.4578275, 0.40821073]
-OPENAI_STD = [0.26862954, 0.26130258, 0.27577711]
-TINY_CLIP_CFG = {
-    "embed_dim": 16,
-    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
-    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-}
-
-
-def tiny_open_clip(folder: Path, seed: int = 0, with_weights: bool = True) -> tuple[str, dict[str, torch.Tensor]]:
-    """An open_clip model folder in the hub layout (open_clip_config.json + open_clip_model.safetensors)."""
-    import open_clip
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {"model_cfg": TINY_CLIP_CFG, "preprocess_cfg": {"mean": OPENAI_MEAN, "std": OPENAI_STD, "interpolation": "bicubic", "resize_mode": "shortest"}}
-    (folder / "open_clip_config.json").write_text(json.dumps(config))
-    torch.manual_seed(seed)
-    model = open_clip.create_model(f"local-dir:{folder}")
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if with_weights:
-        save_file(state, str(folder / "open_clip_model.safetensors"))
-    return str(folder), state
-
-
-def tiny_clip_tokenizer():
-    from transformers import CLIPTokenizer
-
-    chars = list(string.ascii_lowercase + string.digits + ".,!?'\"-")
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
-    vocab.update({"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1})
-    return CLIPTokenizer(vocab=vocab, merges=[])
-
-
-def tiny_pickscore(folder: Path) -> dict[str, Any]:
-    """transformers CLIPModel + CLIPProcessor saved with save_pretrained, as PickScore_v1 is on the hub."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    tokenizer = tiny_clip_tokenizer()
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
-                                         image_mean=OPENAI_MEAN, image_std=OPENAI_STD)
-    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    config = CLIPConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=77, **ids),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8),
-        projection_dim=16,
-    )
-    torch.manual_seed(0)
-    CLIPModel(config).save_pretrained(folder)
-    return {"model_name": str(folder), "processor_name": str(folder)}
-
-
-def tiny_aesthetic_head(path: Path, dims: tuple[int, ...] = (16, 32, 16, 8, 4, 1)) -> dict[str, torch.Tensor]:
-    """The improved aesthetic predictor's layout: Linears at layers.0/2/4/6/7 (dropouts between), torch.save'd."""
-    torch.manual_seed(1)
-    indices = [0, 2, 4, 6, 7][: len(dims) - 1]
-    state = {}
-    for i, (d_in, d_out) in zip(indices, zip(dims[:-1], dims[1:])):
-        state[f"layers.{i}.weight"] = torch.randn(d_out, d_in) / d_in**0.5
-        state[f"layers.{i}.bias"] = torch.randn(d_out) * 0.1
-    torch.save(state, path)
-    return state
-
-
-def _clipscore(folder: Path) -> dict[str, Any]:
-    return {"model_name": tiny_open_clip(folder / "clip")[0], "pretrained": None}
-
-
-def _hpsv2(folder: Path) -> dict[str, Any]:
-    model_dir, state = tiny_open_clip(folder / "clip", seed=3, with_weights=False)
-    torch.save({"epoch": 1, "state_dict": state}, folder / "HPS_v2.1_compressed.pt")  # as the HPS release stores it
-    return {"model_name": model_dir, "checkpoint": str(folder / "HPS_v2.1_compressed.pt")}
-
-
-def _aesthetic(folder: Path) -> dict[str, Any]:
-    model_dir, _ = tiny_open_clip(folder / "clip")
-    tiny_aesthetic_head(folder / "sac+logos+ava1-l14-linearMSE.pth")
-    return {"model_name": model_dir, "pretrained": None, "checkpoint": str(folder / "sac+logos+ava1-l14-linearMSE.pth")}
-
-
-def _temporal(folder: Path) -> dict[str, Any]:
-    return {"model_name": tiny_open_clip(folder / "clip")[0], "pretrained": None}
-
-
-def _ocr(folder: Path) -> dict[str, Any]:
-    if shutil.which("tesseract") is None:
-        pytest.skip("tesseract binary not installed (apt-get install tesseract-ocr)")
-    return {}
-
-
-def _per_frame(folder: Path) -> dict[str, Any]:
-    return {"reward": "clipscore", "reward_config": _clipscore(folder), "reduce": "min", "every_k_frames": 2}
+_SERVERS: list = []
 
 
 def _remote(folder: Path) -> dict[str, Any]:
@@ -124,92 +23,10 @@ def _remote(folder: Path) -> dict[str, Any]:
     return {"url": f"http://127.0.0.1:{server.server_address[1]}", "token": "secret", "timeout_s": 10, "max_retries": 0}
 
 
-VISION = {"width": 128, "depth": 2, "patch": 8, "image": 16, "heads": 2, "mlp": 256}
-MED = {"architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
-       "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64, "layer_norm_eps": 1e-12,
-       "max_position_embeddings": 40, "model_type": "bert", "num_attention_heads": 2, "num_hidden_layers": 2,
-       "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": None, "encoder_width": 768, "add_cross_attention": True}
-WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "a an the red blue green circle square triangle photo of two three cat dog sign".split()
+REWARD_FACTORIES: dict[str, Callable[[Path], dict[str, Any]]] = {**TINY_REWARDS, "remote": _remote}
 
-
-def _linear(state, name, d_out, d_in, generator):
-    state[f"{name}.weight"] = torch.randn(d_out, d_in, generator=generator) / d_in**0.5
-    state[f"{name}.bias"] = torch.randn(d_out, generator=generator) * 0.05
-
-
-def _norm(state, name, d, generator):
-    state[f"{name}.weight"] = 1 + 0.1 * torch.randn(d, generator=generator)
-    state[f"{name}.bias"] = 0.1 * torch.randn(d, generator=generator)
-
-
-def make_imagereward_files(folder: Path) -> dict:
-    """ImageReward.pt (a plain state dict with the official key names), med_config.json and a BERT tokenizer."""
-    from transformers import BertTokenizer
-
-    folder.mkdir(parents=True, exist_ok=True)
-    BertTokenizer(vocab={w: i for i, w in enumerate(WORDS)}).save_pretrained(folder / "tokenizer")
-    med = dict(MED, vocab_size=len(WORDS) + 2)  # + [DEC], [ENC]
-    (folder / "med_config.json").write_text(json.dumps(med))
-    g = torch.Generator().manual_seed(0)
-    s: dict[str, torch.Tensor] = {}
-    w, p, grid = VISION["width"], VISION["patch"], VISION["image"] // VISION["patch"]
-    v = "blip.visual_encoder"
-    s[f"{v}.cls_token"] = 0.1 * torch.randn(1, 1, w, generator=g)
-    s[f"{v}.pos_embed"] = 0.1 * torch.randn(1, 1 + grid * grid, w, generator=g)
-    s[f"{v}.patch_embed.proj.weight"] = torch.randn(w, 3, p, p, generator=g) / (3 * p * p) ** 0.5
-    s[f"{v}.patch_embed.proj.bias"] = 0.05 * torch.randn(w, generator=g)
-    for i in range(VISION["depth"]):
-        _norm(s, f"{v}.blocks.{i}.norm1", w, g)
-        _linear(s, f"{v}.blocks.{i}.attn.qkv", 3 * w, w, g)
-        _linear(s, f"{v}.blocks.{i}.attn.proj", w, w, g)
-        _norm(s, f"{v}.blocks.{i}.norm2", w, g)
-        _linear(s, f"{v}.blocks.{i}.mlp.fc1", VISION["mlp"], w, g)
-        _linear(s, f"{v}.blocks.{i}.mlp.fc2", w, VISION["mlp"], g)
-    _norm(s, f"{v}.norm", w, g)
-    t, d = "blip.text_encoder", med["hidden_size"]
-    s[f"{t}.embeddings.word_embeddings.weight"] = torch.randn(med["vocab_size"], d, generator=g)
-    s[f"{t}.embeddings.position_embeddings.weight"] = 0.5 * torch.randn(med["max_position_embeddings"], d, generator=g)
-    s[f"{t}.embeddings.position_ids"] = torch.arange(med["max_position_embeddings"]).unsqueeze(0)  # saved by older transformers
-    _norm(s, f"{t}.embeddings.LayerNorm", d, g)
-    for i in range(med["num_hidden_layers"]):
-        for attn, kv_width in (("attention", d), ("crossattention", w)):
-            _linear(s, f"{t}.encoder.layer.{i}.{attn}.self.query", d, d, g)
-            _linear(s, f"{t}.encoder.layer.{i}.{attn}.self.key", d, kv_width, g)
-            _linear(s, f"{t}.encoder.layer.{i}.{attn}.self.value", d, kv_width, g)
-            _linear(s, f"{t}.encoder.layer.{i}.{attn}.output.dense", d, d, g)
-            _norm(s, f"{t}.encoder.layer.{i}.{attn}.output.LayerNorm", d, g)
-        _linear(s, f"{t}.encoder.layer.{i}.intermediate.dense", med["intermediate_size"], d, g)
-        _linear(s, f"{t}.encoder.layer.{i}.output.dense", d, med["intermediate_size"], g)
-        _norm(s, f"{t}.encoder.layer.{i}.output.LayerNorm", d, g)
-    _linear(s, "blip.vision_proj", 16, w, g)  # present in the release, unused by the score
-    _linear(s, "blip.text_proj", 16, d, g)
-    for i, (d_out, d_in) in zip((0, 2, 4, 6, 7), ((1024, d), (128, 1024), (64, 128), (16, 64), (1, 16))):
-        _linear(s, f"mlp.layers.{i}", d_out, d_in, g)
-    torch.save(s, folder / "ImageReward.pt")
-    return {"checkpoint": str(folder / "ImageReward.pt"), "med_config": str(folder / "med_config.json"), "tokenizer": str(folder / "tokenizer")}
-
-
-_SERVERS: list = []
-
-
-def _artifact(folder: Path) -> dict[str, Any]:
-    from flowrl.rewards.artifact import ArtifactCNN, save_artifact_classifier
-
-    torch.manual_seed(0)
-    save_artifact_classifier(ArtifactCNN(image_size=32, channels=(8, 16)), str(folder / "artifact.safetensors"))
-    return {"checkpoint": str(folder / "artifact.safetensors")}
-
-REWARD_FACTORIES: dict[str, Callable[[Path], dict[str, Any]]] = {
-    "jpeg_compressibility": lambda folder: {},
-    "jpeg_incompressibility": lambda folder: {},
-    "clipscore": _clipscore,
-    "hpsv2": _hpsv2,
-    "aesthetic": _aesthetic,
-    "pickscore": tiny_pickscore,
-    "ocr": _ocr,
-    "per_frame": _per_frame,
-    "temporal_consistency": _temporal,
-    "remote": _remote,
-    "artifact": _artifact,
-    "imagereward": make_imagereward_files,
+# Rewards that only accept prompts of their own world get valid ones in the contract tests.
+CONTRACT_PROMPTS: dict[str, list[str]] = {
+    "toy_attributes": ["two red circles", "one blue square", "three green triangles"],
+    "toy_artifact": ["two red circles", "one blue square", "three green triangles"],
 }

@@ -155,3 +155,18 @@ def test_null_scores_are_nan_and_bad_url_rejected():
         server.close()
     with pytest.raises(ValueError, match="url='localhost:1' is not an http"):
         REWARDS.build("remote", url="localhost:1")
+
+
+def test_server_rejects_bad_batch_as_value_error():
+    from flowrl.rewards.reward_server import make_server
+
+    server = make_server(REWARDS.build("jpeg_compressibility"), port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        remote = REWARDS.build("remote", url=f"http://127.0.0.1:{server.server_address[1]}", max_retries=0)
+        videos = torch.rand(2, 3, 3, 16, 16)  # an image reward served, videos sent
+        with pytest.raises(ValueError, match="server rejected the batch: jpeg_compressibility: images shape"):
+            remote(videos, PROMPTS[:2], [{}] * 2)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -150,3 +150,19 @@ def test_cli_rewards_list_and_score(tmp_path, capsys):
     assert "--prompt given 3 times for 2 files" in capsys.readouterr().err
     assert main(["score", "--reward", "nope", "--prompt", "x", *paths]) == 2
     assert "unknown reward 'nope'" in capsys.readouterr().err
+
+
+def test_cli_scores_videos_with_per_frame(tmp_path, capsys):
+    generator = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (3, 3, 16, 16), generator=generator).float() / 255  # [F, 3, H, W]
+    frames = [Image.fromarray((f * 255).round().byte().permute(1, 2, 0).numpy()) for f in video]
+    frames[0].save(tmp_path / "v.gif", save_all=True, append_images=frames[1:], duration=100)
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for i, frame in enumerate(frames):
+        frame.save(folder / f"{i}.png")
+    assert main(["score", "--reward", "per_frame", "--set", "reward=jpeg_incompressibility", "--prompt", "x", str(folder), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result[0]["score"] == pytest.approx(float(jpeg_sizes_kb(video).mean()), rel=1e-6)
+    assert main(["score", "--reward", "per_frame", "--set", "reward=jpeg_incompressibility", "--prompt", "x", str(tmp_path / "v.gif")]) == 0
+    assert capsys.readouterr().out.strip().endswith("v.gif")

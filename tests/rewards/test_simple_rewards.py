@@ -81,9 +81,12 @@ def test_per_frame_mean_min_every_k():
         REWARDS.build("per_frame", reward="jpeg_compressibility", reduce="max")
 
 
-def test_unknown_reward_lists_names_and_closest():
+def test_unknown_reward_lists_names_and_closest_and_dotted_path_works():
     with pytest.raises(KeyError, match="Did you mean 'clipscore'.*Registered: .*pickscore"):
         REWARDS.get("clipscor")
+    from flowrl.rewards.jpeg_compressibility import JpegCompressibilityReward
+
+    assert REWARDS.get("flowrl.rewards.jpeg_compressibility.JpegCompressibilityReward") is JpegCompressibilityReward
 
 
 class _Broken:

@@ -378,6 +378,7 @@ def curves_png(runs: list[RunRecord]) -> bytes | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     keys: list[str] = []
     for run in runs:
@@ -403,6 +404,7 @@ def curves_png(runs: list[RunRecord]) -> bytes | None:
                 ax.fill_between(steps, [p[1] - p[2] for p in points], [p[1] + p[2] for p in points], alpha=0.2)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=7)
         if len(runs) > 1:
             ax.legend(fontsize=7)
@@ -418,6 +420,7 @@ def hacking_png(run: RunRecord, rows: list[dict[str, Any]]) -> bytes | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     train, gold = run.reward_names()
     names = train + gold + [DIVERSITY]
@@ -435,6 +438,7 @@ def hacking_png(run: RunRecord, rows: list[dict[str, Any]]) -> bytes | None:
         kind = "training" if name in train else ("diversity" if name == DIVERSITY else "gold")
         ax.set_title(f"{name} ({kind})", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=7)
     figure.tight_layout()
     return _plot_png(figure)

@@ -363,21 +363,22 @@ def _wrap(text: str, font: ImageFont.ImageFont, width: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------- plots
+def _figure(rows: int, cols: int, width: float, height: float):
+    """A matplotlib Figure rendered by Agg without pyplot: no global backend switch, no figure registry."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height))
+    return figure, figure.subplots(rows, cols, squeeze=False)
+
+
 def _plot_png(figure) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(figure)
     return buffer.getvalue()
 
 
 def curves_png(runs: list[RunRecord]) -> bytes | None:
     """Training curves from metrics.jsonl: every reward/<name>/mean (with a +-std band), train/kl, train/loss."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     keys: list[str] = []
@@ -391,7 +392,7 @@ def curves_png(runs: list[RunRecord]) -> bytes | None:
     keys.sort(key=lambda k: (not k.startswith("reward/"), k))
     cols = min(3, len(keys))
     rows = math.ceil(len(keys) / cols)
-    figure, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3 * rows), squeeze=False)
+    figure, axes = _figure(rows, cols, 4.2 * cols, 3 * rows)
     for ax, key in zip(axes.flat, keys):
         for run in runs:
             points = [(r["step"], r[key], r.get(key[: -len("mean")] + "std")) for r in run.metrics
@@ -416,17 +417,13 @@ def curves_png(runs: list[RunRecord]) -> bytes | None:
 
 def hacking_png(run: RunRecord, rows: list[dict[str, Any]]) -> bytes | None:
     """Eval means over steps: training rewards, gold rewards and diversity; flagged points in red."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     train, gold = run.reward_names()
     names = train + gold + [DIVERSITY]
     if len(run.evals) < 2:
         return None
-    figure, axes = plt.subplots(1, len(names), figsize=(3.4 * len(names), 2.8), squeeze=False)
+    figure, axes = _figure(1, len(names), 3.4 * len(names), 2.8)
     flagged = {(row["step"], name) for row in rows for name in row["flagged"]}
     for ax, name in zip(axes.flat, names):
         points = [(r.step, r.overall(name)) for r in run.evals if r.overall(name) is not None]

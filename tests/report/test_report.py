@@ -253,3 +253,16 @@ def test_not_applicable_scores_show_as_na():
 
     assert caption_lines({"scores": {"ocr": None, "clip": 0.123456}}, ["ocr", "clip"]) == ["ocr n/a", "clip 0.1235"]
     assert (fmt(None), fmt(float("nan")), fmt(-1234.5678), fmt_delta(0.5), fmt_delta(None)) == ("n/a", "n/a", "-1235", "+0.5", "n/a")
+
+
+def test_a_bare_run_folder_still_yields_a_report(tmp_path):
+    run_dir = tmp_path / "bare"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("name: bare\n")
+    result = build_report(run_dir)
+    gaps = [g for _, g in result["gaps"]]
+    assert len(gaps) == 3
+    assert gaps[0].startswith("metrics.jsonl is missing") and gaps[1].startswith("checkpoints/ is missing")
+    assert gaps[2].startswith("eval/ holds no scores.json") and result["grids"] == []
+    page = Cells((run_dir / "report" / "index.html").read_text())
+    assert page.gaps == [f"bare: {g}" for g in gaps] and page.images == []

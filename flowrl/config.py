@@ -32,8 +32,8 @@ class ModelConfig:
     """'toy', a local diffusers pipeline folder, or a hub id (downloads only because you named one)."""
     dtype: str = "float32"
     """Weights dtype of the frozen components (float32, bfloat16, float16)."""
-    mixed_precision: str = "no"
-    """Autocast of the trained forward passes: no, bf16, fp16 (handed to accelerate)."""
+    mixed_precision: str = "fp32"
+    """Autocast of the trained forward passes: fp32 (none), bf16 or fp16 (handed to accelerate)."""
     use_lora: bool = True
     """Train a LoRA adapter (the reference model is the adapter switched off); False = full fine-tuning."""
     lora_rank: int = 32
@@ -252,8 +252,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     for name in ("num_prompts_per_step", "group_size"):
         if getattr(cfg.data, name) < 1:
             raise ConfigError(f"data.{name}={getattr(cfg.data, name)} must be >= 1")
-    if cfg.model.mixed_precision not in ("no", "bf16", "fp16"):
-        raise ConfigError(f"model.mixed_precision={cfg.model.mixed_precision!r} must be no, bf16 or fp16")
+    if cfg.model.mixed_precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"model.mixed_precision={cfg.model.mixed_precision!r} must be fp32, bf16 or fp16")
     if not cfg.rewards:
         raise ConfigError("rewards is empty: list at least one reward, e.g. rewards: [{name: toy_attributes}]")
     sources = [cfg.data.prompts_file, cfg.data.prompts, cfg.data.toy_split]

@@ -173,7 +173,7 @@ class GRPOTrainer:
         self.run_dir = cfg.run_dir
         trackers = [tr for tr in cfg.logging.trackers if tr != "wandb" or _installed("wandb")]
         self.accelerator = accelerator or Accelerator(
-            cpu=cfg.device == "cpu", mixed_precision=cfg.model.mixed_precision, log_with=trackers or None,
+            cpu=cfg.device == "cpu", mixed_precision={"fp32": "no"}.get(cfg.model.mixed_precision, cfg.model.mixed_precision), log_with=trackers or None,
             project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
         )
         acc = self.accelerator

@@ -164,7 +164,7 @@ def evaluate(model: FlowModel, rewards: dict[str, Reward], out_dir: str | os.Pat
             metadata=[metadata[p] for p, _ in chunk],
             seeds=torch.tensor([seeds[s] for _, s in chunk], dtype=torch.int64),  # [b]
         )
-        images = sampler(model, batch).images.detach().float().cpu().clamp(0, 1)  # [b, 3, H, W] or [b, F, 3, H, W]
+        images = sampler(model, batch).images.detach().float().clamp(0, 1)  # [b, 3, H, W] or [b, F, 3, H, W], model device
         scores = {name: nan_to_none(score_checked(reward, images, batch.prompts, batch.metadata).scores.cpu().tolist())
                   for name, reward in rewards.items()}
         feats = featurize(images)
@@ -172,6 +172,7 @@ def evaluate(model: FlowModel, rewards: dict[str, Reward], out_dir: str | os.Pat
             raise ValueError(f"evaluate: diversity_features returned {getattr(feats, 'shape', type(feats))}; it must map "
                              f"[M, ...] images to [M, D] features")
         features.append(feats.detach().float().cpu())
+        images = images.cpu()
         for k, (p, s) in enumerate(chunk):
             stem = f"p{p:03d}_s{s:03d}"
             sample: dict[str, Any] = {"prompt_index": p, "seed_index": s, "seed": int(seeds[s])}

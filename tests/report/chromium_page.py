@@ -18,6 +18,7 @@ class ChromiumPage:
         self.process = subprocess.Popen(
             [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-extensions",
+             "--disable-dev-shm-usage",
              f"--user-data-dir={profile}", "--remote-debugging-port=0", "--remote-allow-origins=*",
              "--window-size=1400,1000", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -35,7 +35,7 @@ class ChromiumPage:
         self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=30, suppress_origin=True)
         self.next_id = 0
         self.events: list[dict[str, Any]] = []
-        for method in ("Page.enable", "Runtime.enable", "Log.enable"):
+        for method in ("Page.enable", "Runtime.enable", "Log.enable", "Network.enable"):
             self.call(method)
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
@@ -75,6 +75,10 @@ class ChromiumPage:
             elif method == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
                 errors.append(params["entry"].get("text", ""))
         return errors
+
+    def requested_urls(self) -> list[str]:
+        """Every URL the page asked the network stack for since it was opened (data: URIs included)."""
+        return [e["params"]["request"]["url"] for e in self.events if e.get("method") == "Network.requestWillBeSent"]
 
     def screenshot(self, path: Path) -> Path:
         import base64

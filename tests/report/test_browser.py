@@ -21,6 +21,11 @@ def _check_page(chromium, index, shot):
     chromium.open(index)
     facts = chromium.evaluate(PAGE_FACTS)
     assert chromium.console_errors() == []
+    # self-contained: the only file fetched is index.html itself; everything else is inline data
+    fetched = [u for u in chromium.requested_urls() if not u.startswith("data:")]
+    assert fetched == [index.resolve().as_uri()]
+    page = index.read_text()
+    assert "<script" not in page and "<link rel=\"stylesheet\"" not in page and "@import" not in page and "url(" not in page
     assert facts["images"], "the page shows no image"
     broken = [i for i in facts["images"] if not (i["complete"] and i["w"] > 0 and i["h"] > 0)]
     assert broken == []

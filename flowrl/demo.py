@@ -54,15 +54,15 @@ def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> di
         before = heldout_scores(trainer.model, SUMMARY_SEEDS, steps, guidance)
     trainer.train()
     after = heldout_scores(trainer.model, SUMMARY_SEEDS, steps, guidance)
-    from flowrl.report import write_report
-
-    report = write_report([cfg.run_dir], cfg.run_dir / "report")
     summary = {
         "attribute_accuracy_before": before["attribute_accuracy"], "attribute_accuracy_after": after["attribute_accuracy"],
         "artifact_before": before["artifact"], "artifact_after": after["artifact"],
         "wall_s": round(time.perf_counter() - started, 1), "seed": cfg.seed, "num_steps": cfg.num_steps,
-        "heldout_samples": before["num_samples"],
-        "before": before, "after": after, "report": str(report),
+        "heldout_samples": before["num_samples"], "before": before, "after": after,
     }
+    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))  # before the report, which shows it
+    from flowrl.report import write_report
+
+    summary["report"] = str(write_report([cfg.run_dir], cfg.run_dir / "report"))
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -7,16 +7,16 @@ called and how latents decode. Time arithmetic comes from `flowrl.sde`.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from flowrl.models.lora import LoRAMixin
 from flowrl.types import Cond, concat_cond
 
 
-class PipelineFlowModel:
+class PipelineFlowModel(LoRAMixin):
     """FlowModel over a loaded diffusers pipeline (see flowrl.types.FlowModel for the contract)."""
 
     family: str = ""
@@ -36,7 +36,6 @@ class PipelineFlowModel:
                 component.eval()
                 component.requires_grad_(False)
         self._cache: dict[tuple[str, str | None], Cond] = {}
-        self._lora_config: Any = None
 
     # ----------------------------------------------------------------------------------------- prompts
     def _encode_batch(self, prompts: list[str], negative_prompt: str | None) -> Cond:
@@ -131,66 +130,16 @@ class PipelineFlowModel:
         self.transformer.enable_gradient_checkpointing()
 
     # ----------------------------------------------------------------------------------------- LoRA
-    def add_lora(self, rank: int = 32, alpha: float | None = None, target_modules: tuple[str, ...] | None = None,
-                 init_lora_weights: str | bool = "gaussian", adapter_name: str = "default") -> None:
-        """Add a trainable LoRA adapter to the transformer (peft); only its weights require grad."""
-        from peft import LoraConfig
-
-        if rank < 1:
-            raise ValueError(f"lora rank={rank} must be >= 1")
-        self._lora_config = LoraConfig(
-            r=rank, lora_alpha=alpha if alpha is not None else rank, init_lora_weights=init_lora_weights,
-            target_modules=list(target_modules or self.lora_target_modules),
-        )
-        self.transformer.add_adapter(self._lora_config, adapter_name=adapter_name)
-        for name, param in self.transformer.named_parameters():
-            param.requires_grad_("lora_" in name)
-
-    @property
-    def has_lora(self) -> bool:
-        return bool(getattr(self.transformer, "_hf_peft_config_loaded", False))
-
-    def lora_state_dict(self) -> dict[str, torch.Tensor]:
-        from peft.utils import get_peft_model_state_dict
-
-        return get_peft_model_state_dict(self.transformer)
-
-    def save_lora(self, folder: str | Path) -> Path:
-        """Write the adapter in the diffusers LoRA format (`pipe.load_lora_weights(folder)` reads it)."""
-        if not self.has_lora:
-            raise ValueError("the model has no LoRA adapter to save; call add_lora first or train with use_lora")
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        metadata = self._lora_config.to_dict() if self._lora_config is not None else None
-        if metadata is not None:
-            metadata["target_modules"] = sorted(metadata["target_modules"])
+    def _write_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> None:
         type(self.pipe).save_lora_weights(
-            str(folder), transformer_lora_layers=self.lora_state_dict(), transformer_lora_adapter_metadata=metadata,
-            safe_serialization=True,
+            str(folder), transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata, safe_serialization=True,
         )
-        return folder
 
-    def load_lora(self, path: str | Path, adapter_name: str = "default") -> None:
-        """Load a diffusers-format LoRA (folder or .safetensors file) into the transformer, as the pipeline does."""
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"lora={str(path)!r} does not exist; pass a folder written by save_lora or a .safetensors file")
+    def _read_lora(self, path: Path, adapter_name: str) -> None:
         if path.is_dir():
             self.pipe.load_lora_weights(str(path), adapter_name=adapter_name)
         else:
             self.pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=adapter_name)
-        self.transformer.eval()
-
-    @contextlib.contextmanager
-    def adapter_disabled(self) -> Iterator[None]:
-        """The reference (base) model: LoRA layers switched off inside the block, on again after."""
-        if not self.has_lora:
-            raise RuntimeError("adapter_disabled() needs a LoRA adapter; with full fine-tuning keep a frozen reference copy")
-        self.transformer.disable_adapters()
-        try:
-            yield
-        finally:
-            self.transformer.enable_adapters()
 
 
 def validate_pipeline_folder(path: str | Path) -> Path:

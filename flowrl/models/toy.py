@@ -16,7 +16,6 @@ Training drops the prompt to "" 10% of the time, so classifier-free guidance is 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from flowrl.sde import scheduler_sigmas
+from flowrl.models.lora import LoRAMixin
 from flowrl.toy.world import COLOURS, COUNTS, IMAGE_SIZE, SHAPES, parse_prompt
 from flowrl.types import Cond
 
@@ -91,7 +91,7 @@ def build_text_encoder():
     return CLIPTextModel(CLIPTextConfig(**TEXT_CONFIG))
 
 
-class ToyFlowModel:
+class ToyFlowModel(LoRAMixin):
     """FlowModel over the Shapes world (flowrl.types.FlowModel); latents [N, 3, 32, 32] are pixels in [-1, 1]."""
 
     family = "toy"
@@ -102,7 +102,9 @@ class ToyFlowModel:
     def __init__(self, transformer, text_encoder, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
         self.device = torch.device(device)
         self.dtype = dtype
-        self.transformer = transformer.to(self.device, dtype).eval()  # the UNet; training updates it
+        # (diffusers warns on any .to(dtype), so cast only when the dtype changes)
+        cast = {"dtype": dtype} if next(transformer.parameters()).dtype != dtype else {}
+        self.transformer = transformer.to(self.device, **cast).eval()  # the UNet; training updates it
         self.text_encoder = text_encoder.to(self.device, dtype).eval().requires_grad_(False)
         self._cache: dict[str, torch.Tensor] = {}  # prompt -> [L, D]
 
@@ -162,9 +164,6 @@ class ToyFlowModel:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return (latents.float() / 2 + 0.5).clamp(0, 1)  # [N, 3, H, W]
-
-    def adapter_disabled(self):
-        return contextlib.nullcontext()
 
     def enable_gradient_checkpointing(self) -> None:
         self.transformer.enable_gradient_checkpointing()

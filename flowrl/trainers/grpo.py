@@ -477,7 +477,7 @@ class RunEvaluator:
     def __init__(self, trainer: GRPOTrainer):
         from flowrl.samplers.ode import ODESampler
 
-        cfg, e = trainer.cfg, trainer.cfg.eval
+        e = trainer.cfg.eval
         self.trainer = trainer
         prompts = load_prompts(e.prompts, e.prompts_file, e.toy_split, "eval") if (e.prompts or e.prompts_file or e.toy_split) else trainer.prompts
         self.prompts = prompts[: e.num_prompts] if e.num_prompts else prompts
@@ -497,7 +497,9 @@ class RunEvaluator:
         result = None
         if acc.is_main_process:
             label = "base" if step == "base" else step_dir_name(int(step))
-            use_ema = tr.cfg.eval.use_ema and tr.ema is not None and step != "base"
+            # EMA weights once they exist (before the first EMA update they are still the base weights)
+            use_ema = (tr.cfg.eval.use_ema and tr.ema is not None and step != "base"
+                       and tr.optimizer_steps >= tr.cfg.train.ema_every_n_steps)
             tr.model.transformer.eval()
             with (tr.ema_weights() if use_ema else _nullcontext()):
                 result = evaluation.evaluate(

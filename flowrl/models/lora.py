@@ -1,0 +1,109 @@
+"""LoRA on a model's `transformer` through peft: add, switch off (the reference model), save, load.
+
+`LoRAMixin` is shared by every adapter. Diffusers-backed models write the adapter with their pipeline's
+`save_lora_weights` (so `pipe.load_lora_weights(folder)` reads it); models without a pipeline (the toy)
+write the same diffusers layout themselves: `pytorch_lora_weights.safetensors` with `transformer.`-prefixed
+peft keys, the adapter config in the file's metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+METADATA_KEY = "lora_adapter_metadata"
+
+
+class LoRAMixin:
+    transformer: torch.nn.Module
+    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    _lora_config: Any = None
+
+    def add_lora(self, rank: int = 32, alpha: float | None = None, target_modules: tuple[str, ...] | None = None,
+                 init_lora_weights: str | bool = "gaussian", adapter_name: str = "default") -> None:
+        """Add a trainable LoRA adapter to the transformer; only its weights require grad."""
+        from peft import LoraConfig
+
+        if rank < 1:
+            raise ValueError(f"lora rank={rank} must be >= 1")
+        self._lora_config = LoraConfig(
+            r=rank, lora_alpha=alpha if alpha is not None else rank, init_lora_weights=init_lora_weights,
+            target_modules=list(target_modules or self.lora_target_modules),
+        )
+        self.transformer.add_adapter(self._lora_config, adapter_name=adapter_name)
+        for name, param in self.transformer.named_parameters():
+            param.requires_grad_("lora_" in name)
+
+    @property
+    def has_lora(self) -> bool:
+        return bool(getattr(self.transformer, "_hf_peft_config_loaded", False))
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        from peft.utils import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.transformer)
+
+    def _lora_metadata(self) -> dict | None:
+        if self._lora_config is None:
+            return None
+        metadata = self._lora_config.to_dict()
+        metadata["target_modules"] = sorted(metadata["target_modules"])
+        return json.loads(json.dumps(metadata, default=str))
+
+    def save_lora(self, folder: str | Path) -> Path:
+        """Write the adapter in the diffusers LoRA layout to `folder`."""
+        if not self.has_lora:
+            raise ValueError("the model has no LoRA adapter to save; call add_lora first or train with use_lora")
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._write_lora(folder, self.lora_state_dict(), self._lora_metadata())
+        return folder
+
+    def _write_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {f"transformer.{k}": v.detach().cpu().contiguous() for k, v in state_dict.items()}
+        save_file(tensors, str(folder / WEIGHT_NAME), metadata={METADATA_KEY: json.dumps(metadata)} if metadata else None)
+
+    def load_lora(self, path: str | Path, adapter_name: str = "default") -> None:
+        """Load a LoRA written by save_lora (a folder or its .safetensors file)."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"lora={str(path)!r} does not exist; pass a folder written by save_lora or a .safetensors file")
+        self._read_lora(path, adapter_name)
+        self.transformer.eval()
+
+    def _read_lora(self, path: Path, adapter_name: str) -> None:
+        from peft import LoraConfig
+        from peft.utils import set_peft_model_state_dict
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        file = path / WEIGHT_NAME if path.is_dir() else path
+        with safe_open(str(file), framework="pt") as handle:
+            metadata = (handle.metadata() or {}).get(METADATA_KEY)
+        if metadata is None:
+            raise ValueError(f"lora={str(file)!r} has no adapter config in its metadata; write it with flowrl's save_lora")
+        config = json.loads(metadata)
+        self._lora_config = LoraConfig(r=config["r"], lora_alpha=config["lora_alpha"], target_modules=config["target_modules"])
+        self.transformer.add_adapter(self._lora_config, adapter_name=adapter_name)
+        state = {k.removeprefix("transformer."): v for k, v in load_file(str(file)).items()}
+        set_peft_model_state_dict(self.transformer, state, adapter_name=adapter_name)
+        for name, param in self.transformer.named_parameters():
+            param.requires_grad_(False)
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """The reference (base) model: LoRA layers switched off inside the block, on again after."""
+        if not self.has_lora:
+            raise RuntimeError("adapter_disabled() needs a LoRA adapter; with full fine-tuning keep a frozen reference copy")
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()

@@ -209,3 +209,39 @@ def bench_rewards(repeats: int = 3, batch_size: int = 8, remote_batch_size: int 
                             "local_s": round(times["local"], 3), "remote_s": round(times["remote"], 3),
                             "remote_over_local": round(times["remote"] / times["local"], 3)}
     return result
+
+
+def bench_train(repeats: int = 3, overrides: list[str] | None = None) -> dict:
+    """The toy GRPO config for `repeats` steps (after one warm-up step): throughput, peak RSS, time shares."""
+    import resource
+    import shutil
+
+    import torch
+
+    from flowrl.config import load_config
+    from flowrl.demo import CONFIG
+    from flowrl.trainers.grpo import GRPOTrainer
+
+    with tempfile.TemporaryDirectory() as root:
+        cfg = load_config(CONFIG, [f"output_dir={root}", "name=bench", "logging.trackers=[]", "logging.progress_bar=false",
+                                   *(overrides or [])])
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
+        trainer = GRPOTrainer(cfg)
+        trainer.train_step()  # warm-up
+        steps = [trainer.train_step() for _ in range(repeats)]
+    total = sum(m["perf/step_s"] for m in steps)
+    rollout = sum(m["perf/rollout_s"] for m in steps)
+    reward = sum(m["perf/reward_s"] for m in steps)
+    optimise = sum(m["perf/optimise_s"] for m in steps)
+    samples = trainer.local_n * len(steps)
+    return {
+        "settings": {"config": str(CONFIG), "steps": repeats, "samples_per_step": trainer.local_n,
+                     "threads": torch.get_num_threads(), "sampler_steps": cfg.sampler.kwargs.get("num_steps")},
+        "rollout_images_per_s": round(samples / rollout, 2),
+        "train_samples_per_s": round(samples / optimise, 2),
+        "step_samples_per_s": round(samples / total, 2),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "share": {"rollout": round(rollout / total, 3), "reward": round(reward / total, 3),
+                  "optimise": round(optimise / total, 3), "other": round(1 - (rollout + reward + optimise) / total, 3)},
+        "note": "reward time runs in a worker thread and overlaps the next rollout chunk; its share is its own wall time",
+    }

@@ -66,7 +66,7 @@ def _run_sample(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure speed; writes JSON with side-by-side ratios")
-    p.add_argument("what", choices=["rollout", "rewards", "report"], help="which benchmark")
+    p.add_argument("what", choices=["rollout", "rewards", "report", "train"], help="which benchmark")
     p.add_argument("--json", required=True, help="output JSON path")
     p.add_argument("--repeats", type=int, default=5)
 

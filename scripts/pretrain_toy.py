@@ -3,6 +3,12 @@
     python scripts/pretrain_toy.py                 # the shipped model: writes flowrl/toy/weights/toy_model.safetensors
     python scripts/pretrain_toy.py --quick         # a test-sized run (tiny batch, few steps) into a temporary folder
 
+The model is deliberately imperfect at counting and colour binding: with probability --count-noise a scene is
+drawn with a count redrawn uniformly from {1, 2, 3} (the prompt keeps its count), with probability
+--colour-noise with a colour redrawn uniformly from the four (the prompt keeps its colour). Shapes are never
+corrupted, so the model draws clean shapes but follows the prompt's count and colour only part of the time,
+which leaves room for alignment (sampling without CFG shows the learned conditional most directly).
+
 Each step draws a batch of new scenes (infinite data), a logit-normal sigma per image and a Gaussian noise,
 and regresses the UNet's output on `eps - x0` at `x = (1 - sigma) x0 + sigma eps`; the prompt is dropped to ""
 with probability --cond-dropout so that CFG works. The text encoder trains jointly. Learning rate: linear
@@ -26,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from flowrl.models.toy import MANIFEST_FILE, MODEL_FILE, WEIGHTS_DIR, build_text_encoder, build_unet, file_digest, pack, tokenize, unpack
-from flowrl.toy.world import random_batch
+from flowrl.toy.world import COLOURS, ShapeSpec, random_batch, render_batch, sample_specs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--ema-decay", type=float, default=None, help="default 0.998 (--quick: 0)")
     p.add_argument("--cond-dropout", type=float, default=0.1, help="probability of training on the empty prompt")
+    p.add_argument("--count-noise", type=float, default=0.5, help="probability that a scene's count is redrawn")
+    p.add_argument("--colour-noise", type=float, default=0.25, help="probability that a scene's colour is redrawn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="1 is fastest on a shared machine (no spin-waiting)")
     p.add_argument("--save-every-n-steps", type=int, default=0, help="also write checkpoints/step_XXXXXX.safetensors")
@@ -49,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.steps < 1 or args.batch_size < 1:
         raise ValueError(f"--steps={args.steps} and --batch-size={args.batch_size} must be >= 1")
+    for name in ("cond_dropout", "count_noise", "colour_noise"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be a probability in [0, 1]")
     if not 0.0 <= args.ema_decay < 1.0:
         raise ValueError(f"--ema-decay={args.ema_decay} must be in [0, 1)")
     if args.out is None:
@@ -69,9 +80,24 @@ class ToyDenoiser(torch.nn.Module):
         return unpack(self.transformer(pack(latents), sigma * 1000.0, encoder_hidden_states=embeds).sample)  # [N, 3, H, W]
 
 
-def training_batch(num: int, cond_dropout: float, generator: torch.Generator):
-    images, specs = random_batch(num, "train", generator)  # [N, 3, 32, 32] in [0, 1]
-    x0 = images * 2 - 1
+def noisy_scenes(specs: list[ShapeSpec], count_noise: float, colour_noise: float, generator: torch.Generator) -> list[ShapeSpec]:
+    """The scenes actually drawn for prompted `specs`: count / colour redrawn uniformly with the given probabilities."""
+    n = len(specs)
+    redraw_count = (torch.rand(n, generator=generator) < count_noise).tolist()  # [N]
+    redraw_colour = (torch.rand(n, generator=generator) < colour_noise).tolist()
+    counts = (torch.randint(1, 4, (n,), generator=generator)).tolist()  # [N]
+    colours = torch.randint(len(COLOURS), (n,), generator=generator).tolist()
+    return [
+        ShapeSpec(counts[i] if redraw_count[i] else s.count, COLOURS[colours[i]] if redraw_colour[i] else s.colour, s.shape)
+        for i, s in enumerate(specs)
+    ]
+
+
+def training_batch(num: int, cond_dropout: float, generator: torch.Generator, count_noise: float = 0.0, colour_noise: float = 0.0):
+    specs = sample_specs(num, "train", generator)  # the prompts
+    scenes = noisy_scenes(specs, count_noise, colour_noise, generator)
+    seeds = torch.randint(2**31 - 1, (num,), generator=generator).tolist()  # [N]
+    x0 = render_batch(scenes, seeds) * 2 - 1  # [N, 3, 32, 32] in [-1, 1]
     prompts = [spec.prompt for spec in specs]
     drop = torch.rand(num, generator=generator) < cond_dropout  # [N]
     prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
@@ -129,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     start, running = time.time(), []
     for step in range(1, args.steps + 1):
-        latents, sigma, ids, target = training_batch(args.batch_size, args.cond_dropout, generator)
+        latents, sigma, ids, target = training_batch(args.batch_size, args.cond_dropout, generator, args.count_noise, args.colour_noise)
         loss = torch.nn.functional.mse_loss(net(latents, sigma, ids), target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -156,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
     save_file(state_for_file(final), str(path), metadata={"command": command, "seed": str(args.seed)})
     entry = {"sha256": file_digest(path), "size": path.stat().st_size, "command": command, "seed": args.seed,
              "steps": args.steps, "eval_loss_before": round(loss_before, 4), "eval_loss_after": round(loss_after, 4),
-             "train_minutes": round(seconds / 60, 1), "threads": args.threads}
+             "train_minutes": round(seconds / 60, 1), "threads": args.threads, "count_noise": args.count_noise,
+             "colour_noise": args.colour_noise}
     write_manifest_entry(out, MODEL_FILE, entry)
     print(json.dumps(entry), flush=True)
     return entry

@@ -36,9 +36,28 @@ def test_judge_quick_run_records_its_accuracy(tmp_path):
     assert (tmp_path / "toy_artifact.safetensors").is_file()
 
 
+def test_label_noise_redraws_count_and_colour_at_the_given_rates():
+    import torch
+
+    from flowrl.toy.world import sample_specs
+
+    noisy_scenes = load_script("pretrain_toy").noisy_scenes
+    generator = torch.Generator().manual_seed(0)
+    specs = sample_specs(6000, "train", generator)
+    assert noisy_scenes(specs, 0.0, 0.0, generator) == specs
+    scenes = noisy_scenes(specs, 0.5, 0.25, generator)
+    same_count = sum(a.count == b.count for a, b in zip(specs, scenes)) / len(specs)
+    same_colour = sum(a.colour == b.colour for a, b in zip(specs, scenes)) / len(specs)
+    # by hand: a redraw keeps the value with probability 1/3 (counts) or 1/4 (colours)
+    assert abs(same_count - (1 - 0.5 * 2 / 3)) < 0.03 and abs(same_colour - (1 - 0.25 * 3 / 4)) < 0.03
+    assert all(a.shape == b.shape for a, b in zip(specs, scenes))
+
+
 def test_bad_script_arguments():
     with pytest.raises(ValueError, match="--ema-decay=1.5 must be in"):
         load_script("pretrain_toy").parse_args(["--ema-decay", "1.5"])
+    with pytest.raises(ValueError, match="--count-noise=2.0 must be a probability"):
+        load_script("pretrain_toy").parse_args(["--count-noise", "2"])
 
 
 def test_every_shipped_weight_file_is_small_and_recorded():

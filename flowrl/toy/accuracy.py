@@ -4,8 +4,8 @@
     python -m flowrl.toy.accuracy --checkpoint /tmp/run/checkpoints/step_001000.safetensors --grid grid.png
 
 A sample counts as right when the attribute judge's argmax of count, colour and shape all equal the prompt's.
-Sampling is the deterministic Euler ODE over `model.sigmas()` (what the "ode" sampler does), one generator per
-sample seeded by (seed, prompt index, sample index), so results do not depend on the batch size.
+Sampling is the "ode" sampler (Euler steps over `model.sigmas()`), one generator per sample seeded by
+(seed, prompt index, sample index), so results do not depend on the batch size.
 """
 
 from __future__ import annotations
@@ -23,18 +23,16 @@ HEADS = ("count", "colour", "shape")
 
 @torch.no_grad()
 def sample_images(model, prompts: list[str], seeds: list[int], num_steps: int, guidance_scale: float, batch_size: int = 64) -> torch.Tensor:
-    """Euler ODE samples [N, 3, 32, 32] in [0, 1], one seeded generator per sample."""
-    sigmas = model.sigmas(num_steps, 32, 32)  # [T+1]
+    """ODE-sampler images [N, 3, 32, 32] in [0, 1], the initial noise of sample i seeded by seeds[i]."""
+    from flowrl.samplers.ode import ODESampler
+    from flowrl.types import PromptBatch
+
+    sampler = ODESampler(num_steps=num_steps, height=32, width=32, guidance_scale=guidance_scale)
     out = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        generators = [torch.Generator().manual_seed(s) for s in seeds[start : start + batch_size]]
-        latents = model.prepare_latents(len(chunk), 32, 32, generators)  # [n, 3, 32, 32]
-        cond = model.encode(chunk, guidance_scale=guidance_scale)
-        for k in range(num_steps):
-            v = model.velocity(latents, float(sigmas[k]), cond, guidance_scale)
-            latents = latents + (sigmas[k + 1] - sigmas[k]) * v
-        out.append(model.decode(latents))
+        batch = PromptBatch(prompts=chunk, group_ids=torch.arange(len(chunk)), seeds=torch.tensor(seeds[start : start + batch_size]))
+        out.append(sampler(model, batch).images)
     return torch.cat(out)
 
 

@@ -133,3 +133,17 @@ def test_shipped_model_draws_the_prompted_colours_and_mostly_the_attributes():
     metrics = judge_accuracy(judge, images, prompts)
     assert metrics["colour_accuracy"] >= 0.85, metrics
     assert metrics["accuracy"] >= 0.3, metrics
+
+
+def test_ode_sampler_runs_the_toy_model_as_a_hand_written_euler_loop(random_model):
+    from flowrl.toy.accuracy import sample_images
+
+    prompts, seeds = ["two red circles", "one blue square", "three green triangles"], [11, 12, 13]
+    images = sample_images(random_model, prompts, seeds, num_steps=4, guidance_scale=2.0, batch_size=2)
+    latents = torch.stack([torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    cond = random_model.encode(prompts, guidance_scale=2.0)
+    sigmas = [1.0, 0.75, 0.5, 0.25, 0.0]  # linspace(1, 1/T, T) and 0, by hand
+    with torch.no_grad():
+        for k in range(4):
+            latents = latents + (sigmas[k + 1] - sigmas[k]) * random_model.velocity(latents, sigmas[k], cond, 2.0)
+    torch.testing.assert_close(images, (latents / 2 + 0.5).clamp(0, 1), rtol=1e-4, atol=1e-5)

@@ -166,7 +166,7 @@ def bench_rewards(repeats: int = 3, batch_size: int = 8, remote_batch_size: int 
             except (FileNotFoundError, ImportError) as err:
                 result["tiny"][name] = {"skipped": str(err)}
                 continue
-            result["tiny"][name] = {"images_per_s": images_per_s(reward, batch_size, 64, repeats)}
+            result["tiny"][name] = {"images_per_s": images_per_s(reward, batch_size, 64, max(repeats, 10))}  # ms calls: more rounds
         if not real_sizes:
             return result
         rounds = min(repeats, 2)
@@ -207,6 +207,7 @@ def bench_rewards(repeats: int = 3, batch_size: int = 8, remote_batch_size: int 
             server.server_close()
         result["remote"] = {"reward": "clipscore[ViT-L-14]", "image_size": 512, "batch_size": remote_batch_size,
                             "local_s": round(times["local"], 3), "remote_s": round(times["remote"], 3),
+                            "remote_minus_local_s": round(times["remote"] - times["local"], 3),
                             "remote_over_local": round(times["remote"] / times["local"], 3)}
     return result
 

@@ -85,6 +85,17 @@ def encode_png(image: torch.Tensor) -> bytes:
     return buffer.getvalue()
 
 
+def encode_pngs(images: torch.Tensor) -> list[bytes]:
+    """[N, 3, H, W] in [0, 1] -> N PNG byte strings; the uint8 conversion is done once for the whole batch."""
+    pixels = to_uint8(images).permute(0, 2, 3, 1).contiguous().cpu().numpy()  # [N, H, W, 3]
+    out = []
+    for array in pixels:
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, format="PNG", compress_level=1)
+        out.append(buffer.getvalue())
+    return out
+
+
 def decode_png(data: bytes) -> torch.Tensor:
     """PNG bytes -> [3, H, W] float32 in [0, 1]."""
     with Image.open(io.BytesIO(data)) as image:

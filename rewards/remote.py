@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from flowrl.media import encode_png
+from flowrl.media import encode_pngs
 from flowrl.registry import REWARDS
 from flowrl.types import RewardOutput
 
@@ -85,11 +85,8 @@ class RemoteReward:
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         modality = "video" if images.dim() == 5 else "image"
         check_inputs("remote", images, prompts, metadata, modality=modality)
-        encode = lambda x: base64.b64encode(encode_png(x)).decode()  # noqa: E731
-        if modality == "image":
-            body = {"images": [encode(x) for x in images]}
-        else:
-            body = {"videos": [[encode(f) for f in video] for video in images]}
+        b64 = lambda batch: [base64.b64encode(png).decode() for png in encode_pngs(batch)]  # noqa: E731
+        body = {"images": b64(images)} if modality == "image" else {"videos": [b64(video) for video in images]}
         body.update(prompts=list(prompts), metadata=list(metadata))
         answer = self._request("/score", body)
         scores = answer.get("scores") if isinstance(answer, dict) else None

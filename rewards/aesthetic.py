@@ -45,7 +45,7 @@ class AestheticReward:
     extra_requires = ("open-clip-torch",)
 
     def __init__(self, device: Any = "cpu", dtype: torch.dtype = torch.float32, checkpoint: str | None = None,
-                 model_name: str = "ViT-L-14", pretrained: str | None = "openai"):
+                 model_name: str = "ViT-L-14", pretrained: str | None = None):
         if checkpoint is None or not os.path.isfile(checkpoint):
             given = "is not set" if checkpoint is None else f"{checkpoint!r} does not exist"
             raise FileNotFoundError(f"aesthetic: checkpoint {given}; download it from {WEIGHTS_URL} and pass checkpoint=")

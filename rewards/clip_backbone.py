@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+DEFAULT_TAG = "openai"  # pretrained tag used when an architecture name comes without one
 
 
 @dataclass
@@ -65,7 +66,7 @@ def load_open_clip(model: str, pretrained: str | None, device: Any, dtype: torch
 
     model: an open_clip architecture name ("ViT-L-14") or a local folder in open_clip's hub layout
       (open_clip_config.json + open_clip_model.safetensors). pretrained: an open_clip tag (looked up in the
-      HF cache only) or a weights file. checkpoint: a further state dict loaded on top (e.g. HPS v2 weights;
+      HF cache only; None = "openai" for an architecture name) or a weights file; must be None with a folder. checkpoint: a further state dict loaded on top (e.g. HPS v2 weights;
       a {"state_dict": ...} wrapper is accepted).
     """
     import open_clip
@@ -80,7 +81,7 @@ def load_open_clip(model: str, pretrained: str | None, device: Any, dtype: torch
         if open_clip.get_model_config(model) is None:
             raise ValueError(f"model={model!r} is neither an open_clip architecture nor a local folder; e.g. 'ViT-L-14' or /path/to/open_clip_folder")
         if pretrained is None and checkpoint is None:
-            raise ValueError(f"pretrained is not set for model {model!r}; give an open_clip tag (e.g. 'openai') or a weights file")
+            pretrained = DEFAULT_TAG
         if pretrained is not None and not os.path.isfile(pretrained):
             if os.sep in pretrained or pretrained.endswith((".bin", ".pt", ".pth", ".safetensors")):
                 raise FileNotFoundError(f"pretrained weights file {pretrained!r} does not exist; pass an existing file or an open_clip tag")

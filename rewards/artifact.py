@@ -40,9 +40,10 @@ class ArtifactCNN(torch.nn.Module):
 
     def inputs(self, images: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] in [0, 1] -> [N, 3, S, S] in [-1, 1]; a differentiable resize (the whole frame, no crop)."""
-        size = self.config["image_size"]
-        if images.shape[-2:] != (size, size):
-            images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+        size, dtype = self.config["image_size"], images.dtype
+        if images.shape[-2:] != (size, size):  # antialiased resampling has no half-precision CPU kernel: use float32
+            images = F.interpolate(images.to(torch.promote_types(dtype, torch.float32)), size=(size, size), mode="bilinear",
+                                   align_corners=False, antialias=True).to(dtype)
         return images * 2 - 1
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

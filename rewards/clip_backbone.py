@@ -28,6 +28,8 @@ class ImagePreprocess:
     std: tuple[float, float, float] = OPENAI_CLIP_STD
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        dtype = images.dtype  # resample in float32 at least: antialiased bicubic has no half-precision CPU kernel
+        images = images.to(torch.promote_types(dtype, torch.float32))
         h, w = images.shape[-2:]
         if (h, w) != (self.size, self.size):
             scale = self.size / min(h, w)
@@ -37,7 +39,7 @@ class ImagePreprocess:
             images = images[..., top : top + self.size, left : left + self.size]
         mean = torch.tensor(self.mean, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
         std = torch.tensor(self.std, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
-        return (images - mean) / std  # [N, 3, size, size]
+        return ((images - mean) / std).to(dtype)  # [N, 3, size, size]
 
 
 def _cached_open_clip_file(model: str, tag: str) -> tuple[str, dict[str, Any]]:

@@ -100,3 +100,15 @@ def test_gradient_matches_finite_difference(name, tiny_reward_kwargs):
     analytic = float((grad * direction).sum())
     assert abs(float(numeric)) > 1e-3, "degenerate check: the score does not depend on the images"
     assert analytic == pytest.approx(float(numeric), rel=2e-3, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", [n for n in REWARDS.names() if n in REWARD_FACTORIES and n not in ("ocr", "remote")])
+def test_reward_runs_in_bfloat16(name, tiny_reward_kwargs):
+    """Models in bfloat16 (flowrl score --dtype bfloat16): scores stay float32 [N] and near the float32 ones."""
+    kwargs = tiny_reward_kwargs(name)
+    images = _inputs(REWARDS.get(name))
+    prompts = CONTRACT_PROMPTS.get(name, PROMPTS)
+    full = REWARDS.build(name, dtype=torch.float32, **kwargs)(images, prompts, [{}] * 3).scores
+    half = REWARDS.build(name, dtype=torch.bfloat16, **kwargs)(images, prompts, [{}] * 3).scores
+    assert half.dtype == torch.float32 and half.shape == (3,)
+    torch.testing.assert_close(half, full, atol=0.1 * (1 + float(full.abs().max())), rtol=0)

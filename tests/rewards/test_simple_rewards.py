@@ -169,3 +169,15 @@ def test_cli_scores_videos_with_per_frame(tmp_path, capsys):
     assert result[0]["score"] == pytest.approx(float(jpeg_sizes_kb(video).mean()), rel=1e-6)
     assert main(["score", "--reward", "per_frame", "--set", "reward=jpeg_incompressibility", "--prompt", "x", str(tmp_path / "v.gif")]) == 0
     assert capsys.readouterr().out.strip().endswith("v.gif")
+
+
+def test_media_reads_mp4(tmp_path):
+    pytest.importorskip("imageio_ffmpeg", reason="the video extra (imageio-ffmpeg) is not installed")
+    import imageio.v3 as iio
+
+    frames = np.zeros((5, 32, 32, 3), dtype=np.uint8)
+    frames[:, :, :16] = 255  # left half white: survives lossy coding
+    iio.imwrite(tmp_path / "v.mp4", frames, plugin="FFMPEG", fps=4)
+    video = media.load_video(str(tmp_path / "v.mp4"))
+    assert video.shape == (5, 3, 32, 32)
+    assert video[:, :, :, 4:12].mean() > 0.9 and video[:, :, :, 20:28].mean() < 0.1

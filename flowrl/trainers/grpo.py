@@ -221,6 +221,7 @@ class GRPOTrainer:
         self.step = 0
         self.optimizer_steps = 0
         self.nan_streak = 0
+        self.last_grad_norm = 0.0
         self.counters = {"skipped_nan_steps": 0, "reward_errors": 0}
         self._pool = ThreadPoolExecutor(max_workers=1) if t.use_async_rewards else None
 
@@ -385,7 +386,7 @@ class GRPOTrainer:
             "train/kl": float(torch.stack(stats["kl"]).mean()), "train/clip_fraction": float(torch.cat(stats["clipped"]).mean()),
             "train/approx_kl": float(torch.cat(stats["approx_kl"]).mean()), "train/ratio_mean": float(ratio.mean()),
             "train/ratio_min": float(ratio.min()), "train/ratio_max": float(ratio.max()),
-            "train/skipped_nan_steps": float(self.counters["skipped_nan_steps"]), "train/optimizer_steps": float(self.optimizer_steps),
+            "train/grad_norm": self.last_grad_norm, "train/skipped_nan_steps": float(self.counters["skipped_nan_steps"]), "train/optimizer_steps": float(self.optimizer_steps),
         }
 
     def _optimizer_step(self, losses: torch.Tensor) -> None:
@@ -409,7 +410,7 @@ class GRPOTrainer:
         for p, g in zip(self.params, grads):
             p.grad = flat[offset : offset + g.numel()].view_as(g).to(p.dtype)
             offset += g.numel()
-        torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)
+        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm))
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

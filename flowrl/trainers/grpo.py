@@ -17,6 +17,7 @@ One training step = one rollout batch of B prompts x G samples over all processe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -285,8 +286,12 @@ class GRPOTrainer:
             rollout_s += time.perf_counter() - tic
             rollouts.append(rollout)
             args = (self.rewards, rollout.images, rollout.prompts, rollout.metadata, cfg.on_reward_error, offset + c * chunk)
-            pending.append(self._pool.submit(_timed, score_images, *args) if self._pool else _done(_timed(score_images, *args)))
-        results = [p.result() for p in pending]
+            if self._pool is not None:
+                pending.append(self._pool.submit(_timed, score_images, *args).result)
+            else:
+                result = _timed(score_images, *args)
+                pending.append(lambda result=result: result)
+        results = [wait() for wait in pending]
         reward_s = sum(r[1] for r in results)
         local_scores = {name: torch.cat([r[0][0][name] for r in results]) for name in self.rewards}  # [N] each
         errors = sum(sum(r[0][1].values()) for r in results)
@@ -423,9 +428,19 @@ class GRPOTrainer:
                     self.ema[name].mul_(decay).add_(p.detach(), alpha=1 - decay)
 
     # ------------------------------------------------------------------------------------------ loop
+    @contextlib.contextmanager
     def ema_weights(self):
         """Context: the trained parameters temporarily replaced by their EMA (for evaluation)."""
-        return _swapped(self.names, self.params, self.ema)
+        saved = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for name, p in zip(self.names, self.params):
+                p.copy_(self.ema[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, value in zip(self.params, saved):
+                    p.copy_(value)
 
     def train(self) -> dict:
         """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""
@@ -502,7 +517,7 @@ class RunEvaluator:
             use_ema = (tr.cfg.eval.use_ema and tr.ema is not None and step != "base"
                        and tr.optimizer_steps >= tr.cfg.train.ema_every_n_steps)
             tr.model.transformer.eval()
-            with (tr.ema_weights() if use_ema else _nullcontext()):
+            with (tr.ema_weights() if use_ema else contextlib.nullcontext()):
                 result = evaluation.evaluate(
                     tr.model, {**tr.rewards, **self.gold}, tr.run_dir / "eval" / label, prompts=self.prompts,
                     seeds=list(tr.cfg.eval.seeds), sampler=self.sampler, train_reward_names=list(tr.rewards),
@@ -529,16 +544,6 @@ def _timed(fn, *args):
     return out, time.perf_counter() - tic
 
 
-class _done:
-    """A finished 'future' for the synchronous reward path."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
 def _concat_rollouts(parts: list[Rollout]) -> Rollout:
     if len(parts) == 1:
         return parts[0]
@@ -552,34 +557,6 @@ def _concat_rollouts(parts: list[Rollout]) -> Rollout:
         noise_levels=torch.cat([p.noise_levels for p in parts]), kind=first.kind, guidance_scale=first.guidance_scale,
         metadata=[x for p in parts for x in p.metadata],
     )
-
-
-class _swapped:
-    def __init__(self, names, params, replacement):
-        self.names, self.params, self.replacement, self.saved = names, params, replacement, None
-
-    def __enter__(self):
-        if self.replacement is None:
-            return self
-        self.saved = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for name, p in zip(self.names, self.params):
-                p.copy_(self.replacement[name])
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            with torch.no_grad():
-                for p, s in zip(self.params, self.saved):
-                    p.copy_(s)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _logged_step(line: str) -> int:

@@ -110,31 +110,21 @@ def score_images(rewards: dict, images: torch.Tensor, prompts: list[str], metada
                  offset: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """{name: scores [n]} with the reward-error policy applied; errors counted per reward.
 
-    NaN means "not applicable" for rewards that declare `returns_nan_when_not_applicable`; for any other
-    reward a NaN or inf, like an exception, is an error: raised, or (skip_sample) the sample is dropped.
+    NaN is "not applicable" (DESIGN.md): the sample takes no part in that reward. An exception, a wrong
+    length or an infinite score is an error: raised (policy "raise"), or the samples are dropped
+    ("skip_sample"; marked +inf here, removed from the advantages by the trainer).
     """
+    from flowrl.rewards.contract import score_checked
+
     out, errors = {}, {}
     for name, reward in rewards.items():
         n = len(prompts)
         try:
-            scores = reward(images, prompts, metadata).scores.detach().float().cpu()
-            if scores.shape != (n,):
-                raise ValueError(f"returned scores of shape {tuple(scores.shape)} for {n} samples")
+            out[name] = score_checked(reward, images, prompts, metadata).scores.detach().float().cpu()
         except Exception as err:  # noqa: BLE001 - one policy for every reward failure
             if policy == "raise":
-                raise RuntimeError(f"reward {name!r} failed on samples {offset}..{offset + n - 1}: {err}") from err
+                raise RuntimeError(f"reward {name!r} failed on local samples {offset}..{offset + n - 1}: {err}") from err
             out[name], errors[name] = torch.full((n,), float("inf")), n
-            continue
-        bad = ~torch.isfinite(scores)
-        if getattr(reward, "returns_nan_when_not_applicable", False):
-            bad &= ~torch.isnan(scores)
-        if bad.any():
-            if policy == "raise":
-                i = int(bad.nonzero()[0])
-                raise RuntimeError(f"reward {name!r} returned {float(scores[i])} for sample {offset + i} ({prompts[i]!r})")
-            scores = torch.where(bad, torch.full_like(scores, float("inf")), scores)  # inf marks a dropped sample
-            errors[name] = int(bad.sum())
-        out[name] = scores
     return out, errors
 
 

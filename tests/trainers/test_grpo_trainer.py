@@ -79,7 +79,7 @@ def test_training_moves_the_adapter_and_logs(tmp_path, sd3):
 
 @REWARDS.register("test_flaky")
 class FlakyReward:
-    """Raises on prompts containing 'boom', NaN on prompts containing 'nan', else 1."""
+    """Raises on prompts containing 'boom', inf on 'inf', NaN (not applicable) on 'nan', else the index."""
 
     modalities = ("image",)
     differentiable = False
@@ -90,10 +90,12 @@ class FlakyReward:
     def __call__(self, images, prompts, metadata):
         if any("boom" in p for p in prompts):
             raise RuntimeError("scorer crashed")
-        return RewardOutput(torch.tensor([float("nan") if "nan" in p else float(i) for i, p in enumerate(prompts)]))
+        values = {"inf": float("inf"), "nan": float("nan")}
+        return RewardOutput(torch.tensor([next((v for k, v in values.items() if k in p), float(i)) for i, p in enumerate(prompts)]))
 
 
-@pytest.mark.parametrize("prompt,match", [("boom", "reward 'test_flaky' failed on samples"), ("nan", "returned nan for sample")])
+@pytest.mark.parametrize("prompt,match", [("boom", "reward 'test_flaky' failed on local samples 0..3.*at sample index 0"),
+                                          ("inf", "reward 'test_flaky' failed.*inf")])
 def test_reward_errors_raise_by_default(tmp_path, sd3, prompt, match):
     cfg = tiny_config(tmp_path, sd3, **{"rewards": [{"name": "test_flaky"}], "data.prompts": [prompt]})
     with pytest.raises(RuntimeError, match=match):
@@ -101,10 +103,16 @@ def test_reward_errors_raise_by_default(tmp_path, sd3, prompt, match):
 
 
 def test_reward_errors_skip_samples_when_asked(tmp_path, sd3):
-    cfg = tiny_config(tmp_path, sd3, **{"rewards": [{"name": "test_flaky"}], "data.prompts": ["nan"], "on_reward_error": "skip_sample"})
+    cfg = tiny_config(tmp_path, sd3, **{"rewards": [{"name": "test_flaky"}], "data.prompts": ["inf"], "on_reward_error": "skip_sample"})
     metrics = GRPOTrainer(cfg).train_step()
     assert metrics["reward/dropped_samples"] == 4 and metrics["train/reward_errors"] == 4
     assert metrics["train/loss"] == 0.0  # every sample dropped: nothing to learn from
+
+
+def test_nan_means_not_applicable(tmp_path, sd3):
+    cfg = tiny_config(tmp_path, sd3, **{"rewards": [{"name": "test_flaky"}], "data.prompts": ["nan"]})
+    metrics = GRPOTrainer(cfg).train_step()  # no error under the default "raise" policy
+    assert metrics["reward/dropped_samples"] == 0 and metrics["train/loss"] == 0.0
 
 
 def test_non_finite_loss_skips_then_stops(tmp_path, sd3):

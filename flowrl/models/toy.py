@@ -129,6 +129,11 @@ class ToyFlowModel(LoRAMixin):
         return cond
 
     # -- geometry and time ------------------------------------------------------------------------------
+    @property
+    def native_size(self) -> tuple[int, int, None]:
+        """(height, width, num_frames) the model was trained at."""
+        return IMAGE_SIZE, IMAGE_SIZE, None
+
     def latent_shape(self, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE, num_frames: int | None = None) -> tuple[int, ...]:
         if height % 8 or width % 8 or height <= 0 or width <= 0:
             raise ValueError(f"toy model height={height} width={width}: use positive multiples of 8 (trained at 32)")

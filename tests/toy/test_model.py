@@ -20,6 +20,7 @@ def random_model():
 def test_is_a_flow_model(random_model):
     assert isinstance(random_model, FlowModel)
     assert random_model.family == "toy" and random_model.latent_shape(32, 32) == (3, 32, 32)
+    assert random_model.native_size == (32, 32, None)
     with pytest.raises(ValueError, match="height=30 width=32"):
         random_model.latent_shape(30, 32)
 
@@ -148,3 +149,21 @@ def test_ode_sampler_runs_the_toy_model_as_a_hand_written_euler_loop(random_mode
         for k in range(4):
             latents = latents + (sigmas[k + 1] - sigmas[k]) * random_model.velocity(latents, sigmas[k], cond, 2.0)
     torch.testing.assert_close(images, (latents / 2 + 0.5).clamp(0, 1), rtol=1e-4, atol=1e-5)
+
+
+def test_flowrl_sample_cli_draws_the_shipped_toy_model(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from flowrl.cli import main
+    from flowrl.toy.accuracy import sample_images
+
+    prompts = ["two red circles", "three blue triangles"]
+    assert main(["sample", "--model", "toy", "--prompt", prompts[0], "--prompt", prompts[1], "--num-steps", "10",
+                 "--seed", "3", "--out", str(tmp_path)]) == 0
+    files = sorted(tmp_path.glob("*.png"))
+    assert [f.name for f in files] == ["000_seed3_two_red_circles.png", "001_seed3_three_blue_triangles.png"]
+    expected = sample_images(load_toy_model(), prompts, [3, 3], num_steps=10, guidance_scale=toy.DEFAULT_GUIDANCE_SCALE)
+    for f, image in zip(files, expected):
+        png = torch.from_numpy(np.asarray(Image.open(f).convert("RGB"))).permute(2, 0, 1).float() / 255  # [3, 32, 32]
+        assert (png - image).abs().max() <= 1 / 255 + 1e-6

@@ -165,5 +165,5 @@ def test_flowrl_sample_cli_draws_the_shipped_toy_model(tmp_path):
     assert [f.name for f in files] == ["000_seed3_two_red_circles.png", "001_seed3_three_blue_triangles.png"]
     expected = sample_images(load_toy_model(), prompts, [3, 3], num_steps=10, guidance_scale=toy.DEFAULT_GUIDANCE_SCALE)
     for f, image in zip(files, expected):
-        png = torch.from_numpy(np.asarray(Image.open(f).convert("RGB"))).permute(2, 0, 1).float() / 255  # [3, 32, 32]
+        png = torch.from_numpy(np.array(Image.open(f).convert("RGB"))).permute(2, 0, 1).float() / 255  # [3, 32, 32]
         assert (png - image).abs().max() <= 1 / 255 + 1e-6

@@ -94,3 +94,27 @@ def test_bad_input_errors(attributes):
         attributes(images[0], ["one red circle"], [{}])
     with pytest.raises(FileNotFoundError, match="checkpoint='missing.safetensors' does not exist"):
         REWARDS.build("toy_artifact", checkpoint="missing.safetensors")
+
+
+def test_attribute_judge_agrees_with_pixel_analysis_on_model_samples(attributes):
+    """On the shipped model's samples (not renders), count by connected components and colour by nearest palette
+    entry of the foreground mean agree with the judge's argmax."""
+    from test_world import components
+
+    from flowrl.models.toy import load_toy_model
+    from flowrl.toy.accuracy import sample_images
+    from flowrl.toy.world import BACKGROUND_RGB, COLOUR_RGB, COLOURS, split_prompts
+
+    prompts = split_prompts("all")[::3] * 2  # 24 prompts
+    images = sample_images(load_toy_model(), prompts, list(range(len(prompts))), num_steps=10, guidance_scale=1.0)
+    with torch.no_grad():
+        logits = attributes.judge(images)
+    mask = (images - torch.tensor(BACKGROUND_RGB)[None, :, None, None]).abs().amax(1) > 0.25  # [N, 32, 32]
+    agree = []
+    for i in range(len(images)):
+        count = min(max(len([b for b in components(mask[i]) if len(b) >= 4]), 1), 3)
+        mean = images[i][:, mask[i]].mean(1)  # [3]
+        colour = min(range(4), key=lambda c: (mean - torch.tensor(COLOUR_RGB[COLOURS[c]])).norm())
+        agree.append((count - 1 == logits["count"][i].argmax().item(), colour == logits["colour"][i].argmax().item()))
+    agree = torch.tensor(agree).float().mean(0)
+    assert agree[0] >= 0.85 and agree[1] >= 0.9, agree

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 CONFIG = Path(__file__).parent / "toy" / "grpo.yaml"
-SUMMARY_SEEDS = 8  # held-out prompts x this many seeds for the before/after numbers
+SUMMARY_SEEDS = 16  # held-out prompts x this many seeds for the before/after numbers
 
 
 @torch.no_grad()

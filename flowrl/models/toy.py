@@ -115,11 +115,10 @@ class ToyFlowModel(LoRAMixin):
         return self.text_encoder(input_ids=ids).last_hidden_state
 
     def _cached(self, prompts: list[str]) -> torch.Tensor:
-        missing = sorted({p for p in prompts if p not in self._cache})
-        if missing:
-            with torch.no_grad():
-                for prompt, row in zip(missing, self.embed(missing)):
-                    self._cache[prompt] = row
+        # one prompt per text-encoder call, so an embedding never depends on the batch it came with
+        with torch.no_grad():
+            for prompt in dict.fromkeys(p for p in prompts if p not in self._cache):
+                self._cache[prompt] = self.embed([prompt])[0]
         return torch.stack([self._cache[p] for p in prompts])  # [N, L, D]
 
     def encode(self, prompts: list[str], negative_prompt: str = "", guidance_scale: float = 1.0) -> Cond:

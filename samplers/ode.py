@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from flowrl.registry import SAMPLERS
-from flowrl.samplers.sde import batch_seeds, integrate, latent_seeds, sample_generators
+from flowrl.samplers.sde import integrate, start_rollout
 from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
 
 
@@ -41,15 +41,8 @@ class ODESampler:
     @torch.no_grad()
     def __call__(self, model: FlowModel, batch: PromptBatch, generator: torch.Generator | None = None,
                  score_fn: ScoreFn | None = None) -> Rollout:
-        # 1. Prompts
-        guidance = self.guidance_scale if self.guidance_scale is not None else model.default_guidance_scale
-        cond = model.encode(batch.prompts, self.negative_prompt, guidance)
-        # 2. Initial noise, one generator per sample (= the pipeline called with that seed)
-        seeds = batch_seeds(batch, generator)
-        init_seeds = latent_seeds(seeds, batch.group_ids, self.same_latent)
-        latents = model.prepare_latents(
-            len(seeds), self.height, self.width, sample_generators(init_seeds, model.device), self.num_frames
-        )
+        # 1. Prompts and 2. initial noise, one generator per sample (= the pipeline called with that seed)
+        guidance, cond, seeds, latents = start_rollout(self, model, batch, generator)
         # 3-4. Denoising loop
         if self.scheduler == "pipeline":
             trajectory, sigmas = self._pipeline_scheduler_loop(model, latents, cond, guidance)

@@ -44,6 +44,21 @@ def latent_seeds(seeds: torch.Tensor, group_ids: torch.Tensor, same_latent: bool
     return out
 
 
+def start_rollout(sampler, model: FlowModel, batch: PromptBatch, generator: torch.Generator | None):
+    """Stages 1-2 shared by the samplers: guidance, encoded prompts, seeds [N] and initial noise [N, ...].
+
+    The noise of a sample equals what the diffusers pipeline draws with `Generator().manual_seed(seed)`.
+    """
+    guidance = sampler.guidance_scale if sampler.guidance_scale is not None else model.default_guidance_scale
+    cond = model.encode(batch.prompts, sampler.negative_prompt, guidance)
+    seeds = batch_seeds(batch, generator)
+    init_seeds = latent_seeds(seeds, batch.group_ids, sampler.same_latent)
+    latents = model.prepare_latents(
+        len(seeds), sampler.height, sampler.width, sample_generators(init_seeds, model.device), sampler.num_frames
+    )
+    return guidance, cond, seeds, latents
+
+
 def integrate(
     model: FlowModel,
     latents: torch.Tensor,
@@ -166,15 +181,8 @@ class SDESampler:
     @torch.no_grad()
     def __call__(self, model: FlowModel, batch: PromptBatch, generator: torch.Generator | None = None,
                  score_fn: ScoreFn | None = None) -> Rollout:
-        # 1. Prompts
-        guidance = self.guidance_scale if self.guidance_scale is not None else model.default_guidance_scale
-        cond = model.encode(batch.prompts, self.negative_prompt, guidance)
-        # 2. Initial noise, one generator per sample
-        seeds = batch_seeds(batch, generator)
-        init_seeds = latent_seeds(seeds, batch.group_ids, self.same_latent)
-        latents = model.prepare_latents(
-            len(seeds), self.height, self.width, sample_generators(init_seeds, model.device), self.num_frames
-        )
+        # 1. Prompts and 2. initial noise, one generator per sample
+        guidance, cond, seeds, latents = start_rollout(self, model, batch, generator)
         # 3. Time grid and per-transition noise levels
         sigmas = self.grid(model).to(model.device)  # [T+1]
         levels = self.noise_levels(seeds).to(model.device)  # [N, T]

@@ -64,8 +64,9 @@ class PipelineFlowModel(LoRAMixin):
             if value <= 0 or value % factor:
                 raise ValueError(f"{name}={value} is not a positive multiple of {factor}, which {self.family} needs")
 
+    # The plain image layout [C, H/f, W/f] of SD3 and SANA; FLUX (packed tokens) and Wan (video) override these.
     def size_factor(self) -> int:
-        raise NotImplementedError
+        return self.pipe.vae_scale_factor * self.transformer.config.patch_size
 
     @property
     def native_size(self) -> tuple[int, int, int | None]:
@@ -74,7 +75,8 @@ class PipelineFlowModel(LoRAMixin):
         return side, side, None
 
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        raise NotImplementedError
+        f = self.pipe.vae_scale_factor
+        return (self.transformer.config.in_channels, height // f, width // f)
 
     def prepare_latents(self, num: int, height: int, width: int, generator=None, num_frames: int | None = None) -> torch.Tensor:
         """Initial noise drawn like the pipeline draws it (in the transformer dtype), returned as float32."""
@@ -92,7 +94,9 @@ class PipelineFlowModel(LoRAMixin):
         return noise
 
     def image_seq_len(self, height: int, width: int, num_frames: int | None = None) -> int:
-        raise NotImplementedError
+        _, h, w = self.latent_shape(height, width)
+        p = self.transformer.config.patch_size
+        return (h // p) * (w // p)
 
     # ----------------------------------------------------------------------------------------- time
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:

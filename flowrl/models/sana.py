@@ -42,17 +42,6 @@ class SanaFlowModel(PipelineFlowModel):
             cond.update(negative_prompt_embeds=neg_embeds, negative_prompt_attention_mask=neg_mask)
         return cond
 
-    def size_factor(self) -> int:
-        return self.pipe.vae_scale_factor * self.transformer.config.patch_size
-
-    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        f = self.pipe.vae_scale_factor
-        return (self.transformer.config.in_channels, height // f, width // f)
-
-    def image_seq_len(self, height: int, width: int, num_frames: int | None = None) -> int:
-        _, h, w = self.latent_shape(height, width)
-        return h * w // self.transformer.config.patch_size**2
-
     def _velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance_scale: float) -> torch.Tensor:
         from flowrl.sde import timesteps_from_sigmas
 

@@ -29,18 +29,6 @@ class SD3FlowModel(PipelineFlowModel):
             cond.update(negative_prompt_embeds=neg_embeds, negative_pooled_prompt_embeds=neg_pooled)
         return cond
 
-    def size_factor(self) -> int:
-        return self.pipe.vae_scale_factor * self.transformer.config.patch_size
-
-    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        f = self.pipe.vae_scale_factor
-        return (self.transformer.config.in_channels, height // f, width // f)
-
-    def image_seq_len(self, height: int, width: int, num_frames: int | None = None) -> int:
-        _, h, w = self.latent_shape(height, width)
-        p = self.transformer.config.patch_size
-        return (h // p) * (w // p)
-
     def _velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance_scale: float) -> torch.Tensor:
         from flowrl.sde import timesteps_from_sigmas
 

@@ -66,7 +66,7 @@ def gemma_tokenizer(max_length: int = 64):
     return tok
 
 
-def _clip_text_config(projection: bool):
+def _clip_text_config():
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(
@@ -86,8 +86,20 @@ def _t5_config(d_model: int, umt5: bool = False):
     )
 
 
+def _tiny_autoencoder_kl():
+    """The 4-channel, 2x-downsampling AutoencoderKL of the tiny SD3 and FLUX pipelines."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4, 8), layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
+        shift_factor=0.0609, scaling_factor=1.5035,
+    )
+
+
 def build_sd3(folder: Path) -> Path:
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
     torch.manual_seed(0)
@@ -96,15 +108,10 @@ def build_sd3(folder: Path) -> Path:
         num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
         pos_embed_max_size=32,
     )
-    text_encoder = CLIPTextModelWithProjection(_clip_text_config(True))
-    text_encoder_2 = CLIPTextModelWithProjection(_clip_text_config(True))
+    text_encoder = CLIPTextModelWithProjection(_clip_text_config())
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_text_config())
     text_encoder_3 = T5EncoderModel(_t5_config(64))
-    vae = AutoencoderKL(
-        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4, 8), layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
-        shift_factor=0.0609, scaling_factor=1.5035,
-    )
+    vae = _tiny_autoencoder_kl()
     tmp = Path(tempfile.mkdtemp())
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
@@ -116,7 +123,7 @@ def build_sd3(folder: Path) -> Path:
 
 
 def build_flux(folder: Path) -> Path:
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
 
     torch.manual_seed(0)
@@ -125,19 +132,14 @@ def build_flux(folder: Path) -> Path:
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
         axes_dims_rope=[4, 4, 8],
     )
-    vae = AutoencoderKL(
-        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4, 8), layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
-        shift_factor=0.0609, scaling_factor=1.5035,
-    )
+    vae = _tiny_autoencoder_kl()
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
         max_image_seq_len=4096,
     )
     tmp = Path(tempfile.mkdtemp())
     pipe = FluxPipeline(
-        transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=CLIPTextModel(_clip_text_config(False)),
+        transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=CLIPTextModel(_clip_text_config()),
         tokenizer=clip_tokenizer(tmp / "t1"), text_encoder_2=T5EncoderModel(_t5_config(32)), tokenizer_2=t5_tokenizer(),
     )
     pipe.save_pretrained(folder)

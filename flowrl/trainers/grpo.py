@@ -173,7 +173,7 @@ class GRPOTrainer:
             raise ValueError(f"data.num_prompts_per_step * data.group_size = {total} does not divide across "
                              f"{acc.num_processes} processes; make it a multiple of {acc.num_processes}")
         self.local_n = total // acc.num_processes
-        if self.local_n % (t.num_minibatches * 1) or self.local_n % t.num_rollout_batches:
+        if self.local_n % t.num_minibatches or self.local_n % t.num_rollout_batches:
             raise ValueError(f"the {self.local_n} samples per process do not split into train.num_minibatches="
                              f"{t.num_minibatches} and train.num_rollout_batches={t.num_rollout_batches}")
         # the model, its adapter and the optimizer (seeded: every process starts from the same adapter)

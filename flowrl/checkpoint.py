@@ -4,7 +4,8 @@ A checkpoint is a folder `runs/<name>/checkpoints/step_XXXXXX/`:
 
     trainable.safetensors   every parameter that requires grad (LoRA or full weights), by name
     ema.safetensors         EMA copies of those parameters (when the trainer keeps EMA)
-    optimizer.pt            optimizer state_dict (tensors and numbers; read with weights_only=True)
+    optimizer.pt            optimizer state keyed by parameter name, whole tensors whatever the sharding
+                            (tensors and numbers; read with weights_only=True)
     lr_scheduler.json       LR scheduler state_dict
     trainer_state.json      step, prompt-sampler position, counters
     rng_<rank>.json         torch / CUDA / numpy / python RNG states of every process
@@ -84,15 +85,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
-def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().cpu().contiguous() for name, p in module.named_parameters() if p.requires_grad}
-
-
 def save_checkpoint(
-    accelerator, run_dir: str | Path, step: int, *, module: torch.nn.Module, optimizer, lr_scheduler,
+    accelerator, run_dir: str | Path, step: int, *, trainable: dict[str, torch.Tensor], optimizer_state: dict, lr_scheduler,
     trainer_state: dict, config_yaml: str, ema: dict[str, torch.Tensor] | None = None, model=None, keep_last: int = 2,
 ) -> Path:
-    """Write the full state of every process for `step`; all processes must call it. Returns the folder."""
+    """Write the full state of every process for `step`; all processes must call it. Returns the folder.
+
+    `trainable` and `optimizer_state` are whole (gathered) tensors keyed by parameter name, whatever the
+    sharding (flowrl.distributed); the LoRA export is written from `trainable`.
+    """
     folder = Path(run_dir) / "checkpoints"
     final = folder / step_dir_name(step)
     tmp = folder / f".tmp_{step_dir_name(step)}"
@@ -103,16 +104,16 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     (tmp / f"rng_{accelerator.process_index}.json").write_text(json.dumps(rng_state()))
     if accelerator.is_main_process:
-        save_file(trainable_state(module), str(tmp / "trainable.safetensors"))
+        save_file(trainable, str(tmp / "trainable.safetensors"))
         if os.environ.get(FAULT_ENV) == str(step):  # fault injection for the resume tests: die mid-write
             os.kill(os.getpid(), signal.SIGKILL)
         if ema is not None:
             save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         (tmp / "lr_scheduler.json").write_text(json.dumps(lr_scheduler.state_dict()))
         (tmp / "config.yaml").write_text(config_yaml)
         if model is not None and getattr(model, "has_lora", False):
-            model.save_lora(tmp / "lora")
+            model.save_lora(tmp / "lora", trainable)
         (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

@@ -43,7 +43,11 @@ class LoRAMixin:
     def has_lora(self) -> bool:
         return bool(getattr(self.transformer, "_hf_peft_config_loaded", False))
 
-    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+    def lora_state_dict(self, parameters: dict[str, torch.Tensor] | None = None, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+        """The adapter's peft state dict; from `parameters` (whole tensors by parameter name) when given, which
+        is how a sharded run exports it without reading its sharded modules."""
+        if parameters is not None:
+            return {k.replace(f".{adapter_name}.", "."): v for k, v in parameters.items() if "lora_" in k}
         from peft.utils import get_peft_model_state_dict
 
         return get_peft_model_state_dict(self.transformer)
@@ -55,13 +59,13 @@ class LoRAMixin:
         metadata["target_modules"] = sorted(metadata["target_modules"])
         return json.loads(json.dumps(metadata, default=str))
 
-    def save_lora(self, folder: str | Path) -> Path:
-        """Write the adapter in the diffusers LoRA layout to `folder`."""
+    def save_lora(self, folder: str | Path, parameters: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write the adapter in the diffusers LoRA layout to `folder` (from `parameters` when given)."""
         if not self.has_lora:
             raise ValueError("the model has no LoRA adapter to save; call add_lora first or train with use_lora")
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self._write_lora(folder, self.lora_state_dict(), self._lora_metadata())
+        self._write_lora(folder, self.lora_state_dict(parameters), self._lora_metadata())
         return folder
 
     def _write_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> None:

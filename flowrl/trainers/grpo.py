@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -149,9 +150,9 @@ def trained_transitions(rollout: Rollout, fraction: float, shuffle: bool, genera
 
 class GRPOTrainer:
     def __init__(self, cfg: RunConfig, accelerator=None):
-        from accelerate import Accelerator
-        from accelerate.utils import ProjectConfiguration, set_seed
+        from accelerate.utils import set_seed
 
+        from flowrl.distributed import Sharding, make_accelerator
         from flowrl.models import load_flow_model
 
         self.cfg = cfg
@@ -162,11 +163,7 @@ class GRPOTrainer:
         if t.kl_form not in sde.KL_FORMS:
             raise ValueError(f"train.kl_form={t.kl_form!r} must be one of {', '.join(sde.KL_FORMS)}")
         self.run_dir = cfg.run_dir
-        trackers = [tr for tr in cfg.logging.trackers if tr != "wandb" or _installed("wandb")]
-        self.accelerator = accelerator or Accelerator(
-            cpu=cfg.device == "cpu", mixed_precision={"fp32": "no"}.get(cfg.model.mixed_precision, cfg.model.mixed_precision), log_with=trackers or None,
-            project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
-        )
+        self.accelerator = accelerator or make_accelerator(cfg)
         acc = self.accelerator
         total = cfg.data.num_prompts_per_step * cfg.data.group_size
         if total % acc.num_processes:
@@ -193,15 +190,20 @@ class GRPOTrainer:
             self.model.transformer.requires_grad_(True)
         if cfg.model.use_gradient_checkpointing:
             self.model.enable_gradient_checkpointing()
-        self.params = [p for p in self.model.transformer.parameters() if p.requires_grad]
         self.names = [n for n, p in self.model.transformer.named_parameters() if p.requires_grad]
-        for p in self.params:  # trained weights in float32; frozen parts may be bf16
-            p.data = p.data.float()
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                                           weight_decay=t.adam_weight_decay, eps=t.adam_epsilon)
+        for p in self.model.transformer.parameters():  # trained weights in float32; frozen parts may be bf16
+            if p.requires_grad:
+                p.data = p.data.float()
+        optimizer = torch.optim.AdamW([p for p in self.model.transformer.parameters() if p.requires_grad], lr=t.learning_rate,
+                                      betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay, eps=t.adam_epsilon)
         warmup = max(t.lr_warmup_steps, 0)
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        # data parallel keeps the module and optimizer; FSDP2 shards both in place, ZeRO-2 wraps the optimizer
+        self.sharding = Sharding(acc)
+        self.optimizer = self.sharding.prepare(self.model.transformer, optimizer, self.local_n // t.num_minibatches, t.max_grad_norm)
+        self.params = [p for p in self.model.transformer.parameters() if p.requires_grad]
         self.ema = {n: p.detach().clone() for n, p in zip(self.names, self.params)} if t.use_ema else None
+        self._nonfinite_backward = False
         # data, sampler, rewards, balancer
         self.prompts = load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data")
         self.prompt_sampler = GroupedPromptSampler(self.prompts, cfg.data.num_prompts_per_step, cfg.data.group_size, cfg.seed)
@@ -232,14 +234,13 @@ class GRPOTrainer:
         if diff:
             raise ValueError(f"checkpoint {str(path)!r} comes from another config: keys {', '.join(diff[:6])} differ; "
                              "resume with the config it was written with or start a new run name")
-        by_name = dict(zip(self.names, self.params))
-        with torch.no_grad():
-            for name, value in state["trainable"].items():
-                by_name[name].copy_(value)
-            if self.ema is not None and state["ema"] is not None:
-                for name, value in state["ema"].items():
-                    self.ema[name].copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
+        from flowrl.distributed import like
+
+        self.sharding.load_parameters(self.names, self.params, state["trainable"])
+        if self.ema is not None and state["ema"] is not None:
+            for name, value in state["ema"].items():
+                self.ema[name] = like(value, self.ema[name])
+        self.sharding.load_optimizer_state(self.optimizer, self.names, self.params, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         ts = state["trainer_state"]
         self.step, self.optimizer_steps, self.nan_streak = ts["step"], ts["optimizer_steps"], ts["nan_streak"]
@@ -366,7 +367,7 @@ class GRPOTrainer:
                     weight = keep[rows].float()
                     per_sample = (policy_loss + t.kl_coef * kl) * weight
                     loss = per_sample.sum() / mb / (num_j * t.gradient_accumulation_steps)
-                    loss.backward()
+                    self._backward(loss, boundary=j == num_j - 1 and (m + 1) % t.gradient_accumulation_steps == 0)
                     stats["loss"].append(per_sample.detach().mean())
                     stats["policy_loss"].append(policy_loss.detach().mean())
                     stats["kl"].append(kl.detach().mean())
@@ -384,13 +385,32 @@ class GRPOTrainer:
             "train/grad_norm": self.last_grad_norm, "train/skipped_nan_steps": float(self.counters["skipped_nan_steps"]), "train/optimizer_steps": float(self.optimizer_steps),
         }
 
+    def _backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        if self.sharding.kind == "deepspeed":
+            # the engine steps inside the boundary backward, so a non-finite loss is caught before it: its
+            # backward is replaced by a zero one (the accumulation stays aligned) and the step is counted skipped
+            if not self.sharding.all_true(bool(torch.isfinite(loss))):
+                self._nonfinite_backward = True
+                loss = sum((p * 0).sum() for p in self.params)
+        self.sharding.backward(loss, boundary)
+
     def _optimizer_step(self, losses: torch.Tensor) -> None:
         t, acc = self.cfg.train, self.accelerator
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.flatten() for g in grads])
-        if acc.num_processes > 1:  # data parallel: average the gradients of all processes
-            flat = acc.reduce(flat, reduction="mean")
-        finite = bool(torch.isfinite(flat).all()) and bool(torch.isfinite(losses).all())
+        if self.sharding.kind == "deepspeed":  # the engine has stepped (clipped, updated, zeroed) already
+            finite, self._nonfinite_backward = not self._nonfinite_backward, False
+        else:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            if self.sharding.kind is None and acc.num_processes > 1:  # data parallel: average all processes' gradients
+                flat = acc.reduce(torch.cat([g.flatten() for g in grads]), reduction="mean")
+                offset = 0
+                for p, g in zip(self.params, grads):
+                    p.grad = flat[offset : offset + g.numel()].view_as(g).to(p.dtype)
+                    offset += g.numel()
+                grads = [p.grad for p in self.params]
+            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # FSDP2: this process's shard
+            finite = all(bool(torch.isfinite(g).all()) for g in local) and bool(torch.isfinite(losses).all())
+            if self.sharding.kind == "fsdp":
+                finite = self.sharding.all_true(finite)
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             self.counters["skipped_nan_steps"] += 1
@@ -399,16 +419,18 @@ class GRPOTrainer:
                 raise FloatingPointError(
                     f"{self.nan_streak} optimizer steps in a row had a non-finite loss or gradient; lower "
                     "train.learning_rate or train.clip_range, or check the rewards")
-            return
-        self.nan_streak = 0
-        offset = 0
-        for p, g in zip(self.params, grads):
-            p.grad = flat[offset : offset + g.numel()].view_as(g).to(p.dtype)
-            offset += g.numel()
-        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm))
-        self.optimizer.step()
+            if self.sharding.kind != "deepspeed":
+                return
+        else:
+            self.nan_streak = 0
+        if self.sharding.kind == "deepspeed":
+            self.last_grad_norm = self.sharding.grad_norm()
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)
+            self.last_grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         if self.ema is not None and self.optimizer_steps % t.ema_every_n_steps == 0:
             n = self.optimizer_steps // t.ema_every_n_steps
@@ -443,6 +465,10 @@ class GRPOTrainer:
             self.resume(resume)
         if acc.is_main_process:
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            (self.run_dir / "launch.json").write_text(json.dumps({
+                "num_processes": acc.num_processes, "distributed_type": acc.distributed_type.name,
+                "sharding": self.sharding.kind or "none", "mixed_precision": acc.mixed_precision, "device": str(acc.device),
+            }, indent=2))
         acc.init_trackers(cfg.name, config=_scalar_config(cfg))
         evaluator = RunEvaluator(self) if _evaluation_available() else None
         if evaluator is not None and self.step == 0:
@@ -501,18 +527,24 @@ class RunEvaluator:
 
         tr, acc = self.trainer, self.trainer.accelerator
         result = None
-        if acc.is_main_process:
+        # FSDP2 gathers weights inside every forward, so every process runs the evaluation; only the main one keeps it
+        if acc.is_main_process or tr.sharding.kind == "fsdp":
             label = "base" if step == "base" else step_dir_name(int(step))
+            scratch = None if acc.is_main_process else tempfile.TemporaryDirectory()
+            out = tr.run_dir / "eval" / label if scratch is None else Path(scratch.name) / label
             # EMA weights once they exist (before the first EMA update they are still the base weights)
             use_ema = (tr.cfg.eval.use_ema and tr.ema is not None and step != "base"
                        and tr.optimizer_steps >= tr.cfg.train.ema_every_n_steps)
             tr.model.transformer.eval()
             with (tr.ema_weights() if use_ema else contextlib.nullcontext()):
                 result = evaluation.evaluate(
-                    tr.model, {**tr.rewards, **self.gold}, tr.run_dir / "eval" / label, prompts=self.prompts,
+                    tr.model, {**tr.rewards, **self.gold}, out, prompts=self.prompts,
                     seeds=list(tr.cfg.eval.seeds), sampler=self.sampler, train_reward_names=list(tr.rewards),
                     step=0 if step == "base" else int(step), label=label, batch_size=tr.cfg.eval.batch_size,
                 )
+            if scratch is not None:
+                scratch.cleanup()
+                result = None
         acc.wait_for_everyone()
         return result
 
@@ -520,10 +552,17 @@ class RunEvaluator:
 def save_state(trainer: GRPOTrainer) -> Path:
     from flowrl.checkpoint import save_checkpoint
 
+    from flowrl.distributed import full
+
+    tr, sharding = trainer, trainer.sharding
+    # whole tensors gathered on every process (collectives under FSDP2 / ZeRO-2); the main process writes them
+    trainable = sharding.full_parameters(tr.names, tr.params)
     return save_checkpoint(
-        trainer.accelerator, trainer.run_dir, trainer.step, module=trainer.model.transformer, optimizer=trainer.optimizer,
-        lr_scheduler=trainer.lr_scheduler, trainer_state=trainer.trainer_state(), config_yaml=dump_config(trainer.cfg),
-        ema=trainer.ema, model=trainer.model, keep_last=trainer.cfg.checkpoint.keep_last,
+        tr.accelerator, tr.run_dir, tr.step, trainable=trainable,
+        optimizer_state=sharding.optimizer_state(tr.optimizer, tr.names, tr.params, tr.optimizer_steps),
+        lr_scheduler=tr.lr_scheduler, trainer_state=tr.trainer_state(), config_yaml=dump_config(tr.cfg),
+        ema={k: full(v) for k, v in tr.ema.items()} if tr.ema is not None else None, model=tr.model,
+        keep_last=tr.cfg.checkpoint.keep_last,
     )
 
 

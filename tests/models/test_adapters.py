@@ -97,7 +97,11 @@ def test_lora_saved_by_flowrl_loads_into_pipeline(tiny_model, tiny_pipeline, fam
     with model.adapter_disabled():
         base = sampler(model, batch(PROMPTS[:1], SEEDS[:1])).latents[:, -1]
     assert (with_lora - base).abs().max() > 1e-3
-    model.save_lora(tmp_path / "lora")
+    # checkpoints export the adapter from whole tensors by parameter name: the same state dict peft gives
+    named = {n: p.detach() for n, p in model.transformer.named_parameters() if p.requires_grad}
+    from_peft, from_names = model.lora_state_dict(), model.lora_state_dict(named)
+    assert from_peft.keys() == from_names.keys() and all(torch.equal(from_peft[k], from_names[k]) for k in from_peft)
+    model.save_lora(tmp_path / "lora", named)
     pipe = DiffusionPipeline.from_pretrained(tiny_pipeline(family))
     before = pipeline_call(pipe, family, PROMPTS[:1], SEEDS[:1], 3, 2.0, "latent")
     pipe.load_lora_weights(str(tmp_path / "lora"))

@@ -23,6 +23,22 @@ def test_every_config_loads_and_starts_with_its_launch_command(path):
     assert cfg.rewards and cfg.num_steps > 0
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_accelerate_preset_parses_and_shows_its_launch_command(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    text = path.read_text()
+    assert text.lstrip().startswith("#") and "accelerate launch" in text
+    preset = load_config_from_file(str(path))
+    expected = {"single_gpu": "NO", "multi_gpu": "MULTI_GPU", "cpu_2proc": "MULTI_GPU", "fsdp": "FSDP",
+                "deepspeed_zero2": "DEEPSPEED"}[path.stem]
+    assert preset.distributed_type.name == expected
+    if expected == "FSDP":
+        assert preset.fsdp_config["fsdp_version"] == 2  # flowrl refuses FSDP1
+    if expected == "DEEPSPEED":
+        assert preset.deepspeed_config["zero_stage"] == 2
+
+
 def _prompt_files(text: str) -> list[str]:
     data = yaml.safe_load(text)
     return [data["data"]["prompts_file"]] if data.get("data", {}).get("prompts_file") else []

@@ -112,5 +112,5 @@ def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
     b = load_file(str(tmp_path / "runs" / "two" / "checkpoints" / "step_000002" / "trainable.safetensors"))
     moved = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert moved < 1e-5, moved  # stated tolerance: batch-size-dependent float32 numerics only
-    start_weights = load_file(str(tmp_path / "runs" / "one" / "checkpoints" / "step_000002" / "ema.safetensors"))
-    assert any(float((a[k] - start_weights[k]).abs().max()) > 0 for k in a)
+    # training moved the adapter: its up-projections start at zero
+    assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k)

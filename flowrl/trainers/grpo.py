@@ -470,8 +470,8 @@ class GRPOTrainer:
                 "sharding": self.sharding.kind or "none", "mixed_precision": acc.mixed_precision, "device": str(acc.device),
             }, indent=2))
         acc.init_trackers(cfg.name, config=_scalar_config(cfg))
-        evaluator = RunEvaluator(self) if _evaluation_available() else None
-        if evaluator is not None and self.step == 0:
+        evaluator = RunEvaluator(self)
+        if self.step == 0:
             evaluator.run("base")
         progress = _progress(cfg, acc, self.step)
         history = []
@@ -490,12 +490,12 @@ class GRPOTrainer:
             every = cfg.checkpoint.every_n_steps
             if every and self.step % every == 0 and self.step < cfg.num_steps:
                 self.save()
-            if evaluator is not None and cfg.eval.every_n_steps and self.step % cfg.eval.every_n_steps == 0 and self.step < cfg.num_steps:
+            if cfg.eval.every_n_steps and self.step % cfg.eval.every_n_steps == 0 and self.step < cfg.num_steps:
                 evaluator.run(self.step)
         if progress is not None:
             progress.close()
         self.save()
-        final = evaluator.run(self.step) if evaluator is not None else None
+        final = evaluator.run(self.step)
         if self._pool is not None:
             self._pool.shutdown()
         acc.wait_for_everyone()
@@ -603,16 +603,6 @@ def _scalar_config(cfg: RunConfig) -> dict:
     from flowrl.config import flatten
 
     return {k: v for k, v in flatten(to_dict(cfg)).items() if isinstance(v, (int, float, str, bool))}
-
-
-def _installed(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
-def _evaluation_available() -> bool:
-    return _installed("flowrl.evaluation")
 
 
 def _progress(cfg: RunConfig, acc, start: int):

@@ -91,8 +91,8 @@ def save_checkpoint(
 ) -> Path:
     """Write the full state of every process for `step`; all processes must call it. Returns the folder.
 
-    `trainable` and `optimizer_state` are whole (gathered) tensors keyed by parameter name, whatever the
-    sharding (flowrl.distributed); the LoRA export is written from `trainable`.
+    `trainable`, `optimizer_state` and `ema` are whole (gathered) CPU tensors keyed by parameter name, whatever
+    the sharding (flowrl.distributed); only the main process reads them. The LoRA export is written from `trainable`.
     """
     folder = Path(run_dir) / "checkpoints"
     final = folder / step_dir_name(step)
@@ -108,7 +108,7 @@ def save_checkpoint(
         if os.environ.get(FAULT_ENV) == str(step):  # fault injection for the resume tests: die mid-write
             os.kill(os.getpid(), signal.SIGKILL)
         if ema is not None:
-            save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
+            save_file(ema, str(tmp / "ema.safetensors"))
         torch.save(optimizer_state, tmp / "optimizer.pt")
         (tmp / "lr_scheduler.json").write_text(json.dumps(lr_scheduler.state_dict()))
         (tmp / "config.yaml").write_text(config_yaml)

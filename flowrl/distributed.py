@@ -23,9 +23,6 @@ from typing import Any
 
 import torch
 
-SHARDED_TYPES = ("FSDP", "DEEPSPEED")
-
-
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flowrl.models.lora import JOINT_ATTENTION_TARGETS
 from flowrl.models.pipeline import PipelineFlowModel
 from flowrl.types import Cond
 
@@ -17,10 +18,7 @@ class FluxFlowModel(PipelineFlowModel):
     family = "flux"
     pipeline_classes = ("FluxPipeline",)
     default_guidance_scale = 3.5
-    lora_target_modules = (
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-    )
+    lora_target_modules = JOINT_ATTENTION_TARGETS
 
     def __init__(self, pipe, device="cpu", dtype=torch.float32):
         super().__init__(pipe, device, dtype)

@@ -16,6 +16,11 @@ from typing import Any, Iterator
 import torch
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+# MMDiT joint attention (SD3, FLUX): the image stream's projections and the text stream's added ones
+JOINT_ATTENTION_TARGETS = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+)
 METADATA_KEY = "lora_adapter_metadata"
 
 

@@ -23,8 +23,6 @@ class PipelineFlowModel(LoRAMixin):
     is_video: bool = False
     pipeline_classes: tuple[str, ...] = ()  # diffusers pipeline class names this adapter accepts
     default_guidance_scale: float = 1.0
-    # LoRA targets inside the transformer (Flow-GRPO's list for SD3; each family sets its own)
-    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(self, pipe: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.pipe = pipe

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.models.lora import JOINT_ATTENTION_TARGETS
 from flowrl.models.pipeline import PipelineFlowModel
 from flowrl.types import Cond
 
@@ -12,10 +13,7 @@ class SD3FlowModel(PipelineFlowModel):
     family = "sd3"
     pipeline_classes = ("StableDiffusion3Pipeline",)
     default_guidance_scale = 4.5
-    lora_target_modules = (
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-    )
+    lora_target_modules = JOINT_ATTENTION_TARGETS
 
     def _encode_batch(self, prompts: list[str], negative_prompt: str | None) -> Cond:
         cfg = negative_prompt is not None

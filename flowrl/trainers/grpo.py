@@ -555,14 +555,16 @@ def save_state(trainer: GRPOTrainer) -> Path:
     from flowrl.distributed import full
 
     tr, sharding = trainer, trainer.sharding
-    # whole tensors gathered on every process (collectives under FSDP2 / ZeRO-2); the main process writes them
-    trainable = sharding.full_parameters(tr.names, tr.params)
+    # whole tensors for the main process, which writes them; under FSDP2 / ZeRO-2 gathering them is a collective
+    # every process joins, data-parallel processes other than the main one skip the copy
+    gather = sharding.kind is not None or tr.accelerator.is_main_process
+    trainable = sharding.full_parameters(tr.names, tr.params) if gather else {}
+    optimizer_state = sharding.optimizer_state(tr.optimizer, tr.names, tr.params, tr.optimizer_steps) if gather else {}
+    ema = {k: full(v) for k, v in tr.ema.items()} if gather and tr.ema is not None else None
     return save_checkpoint(
-        tr.accelerator, tr.run_dir, tr.step, trainable=trainable,
-        optimizer_state=sharding.optimizer_state(tr.optimizer, tr.names, tr.params, tr.optimizer_steps),
-        lr_scheduler=tr.lr_scheduler, trainer_state=tr.trainer_state(), config_yaml=dump_config(tr.cfg),
-        ema={k: full(v) for k, v in tr.ema.items()} if tr.ema is not None else None, model=tr.model,
-        keep_last=tr.cfg.checkpoint.keep_last,
+        tr.accelerator, tr.run_dir, tr.step, trainable=trainable, optimizer_state=optimizer_state,
+        lr_scheduler=tr.lr_scheduler, trainer_state=tr.trainer_state(), config_yaml=dump_config(tr.cfg), ema=ema,
+        model=tr.model, keep_last=tr.cfg.checkpoint.keep_last,
     )
 
 

@@ -3,6 +3,11 @@
 Score = P(count) * P(colour) * P(shape) for the prompt's attributes under the judge's three softmax heads
 (the heads are trained independently, so the product is the judge's joint). Parts: the three factors.
 Range [0, 1]; differentiable (a plain CNN, the graph is kept). Prompts must be in the Shapes grammar.
+
+Each head of the shipped judge also has an "other" class (flowrl/toy/judges.py) trained on scenes the world never
+draws, so its softmax spreads over 4 / 5 / 4 classes: no shape, four or five shapes, two colours or two shapes in one
+scene score near 0 for every prompt (held-out mean of the best prompt's score 0.0005; the first, count-blind judge,
+kept as tests/toy/fixtures/toy_attributes_countblind.safetensors and loadable with `checkpoint=`, gave them 0.97).
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import shlex
 import sys
 import tempfile
@@ -31,7 +30,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from flowrl.models.toy import MANIFEST_FILE, MODEL_FILE, WEIGHTS_DIR, build_text_encoder, build_unet, file_digest, pack, tokenize, unpack
+from flowrl.models.toy import MODEL_FILE, build_text_encoder, build_unet, pack, tokenize, unpack
+from flowrl.toy.manifest import MANIFEST_FILE, WEIGHTS_DIR, file_digest
 from flowrl.toy.world import COLOURS, ShapeSpec, random_batch, render_batch, sample_specs
 
 

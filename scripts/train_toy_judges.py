@@ -5,9 +5,16 @@
     python scripts/train_toy_judges.py --judge attributes --evaluate-only   # accuracy of the shipped judge
 
 Training data are endless new scenes of all 36 combinations (the judges must know every combination),
-softened like model samples (slight blur, faint noise). The artifact judge sees half clean scenes and half
-scenes with one corruption each (noise, blocking, stripes, saturation). Held-out accuracy is measured on
-scenes drawn from a generator seeded apart from training (seed + 1,000,000), raw and softened.
+softened like model samples (slight blur, faint noise). The attribute judge also sees scenes the world never
+draws (`--impossible-fraction` of each batch: no shape, four or five, two colours or two shapes in one scene),
+labelled with each head's "other" class, so a count or colour outside the world cannot pass for a prompt's.
+The artifact judge sees half clean scenes and half scenes with one corruption each (noise, blocking, stripes,
+saturation). Held-out accuracy is measured on scenes drawn from a generator seeded apart from training
+(seed + 1,000,000), raw and softened; for the attribute judge also the mean score the best of the 36 prompts
+gets on impossible scenes (seed + 2,000,000), which should be near 0.
+
+    python scripts/train_toy_judges.py --judge attributes --evaluate-only \
+        --checkpoint tests/toy/fixtures/toy_attributes_countblind.safetensors   # the first, count-blind judge
 """
 
 from __future__ import annotations
@@ -24,9 +31,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from flowrl.models.toy import WEIGHTS_DIR, file_digest
-from flowrl.toy.judges import ARTIFACT_FILE, ATTRIBUTE_FILE, ArtifactJudge, AttributeJudge, load_judge
-from flowrl.toy.world import CORRUPTIONS, corrupt, random_batch, soften
+from flowrl.toy.judges import ARTIFACT_FILE, ATTRIBUTE_FILE, ArtifactJudge, AttributeJudge, load_judge, scene_labels
+from flowrl.toy.manifest import WEIGHTS_DIR, file_digest, write_manifest_entry
+from flowrl.toy.world import (
+    COLOURS,
+    CORRUPTIONS,
+    COUNTS,
+    IMPOSSIBLE_KINDS,
+    SHAPES,
+    corrupt,
+    impossible_batch,
+    random_batch,
+    soften,
+)
 
 HEADS = ("count", "colour", "shape")
 
@@ -34,7 +51,7 @@ HEADS = ("count", "colour", "shape")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--judge", required=True, choices=["attributes", "artifact"])
-    p.add_argument("--steps", type=int, default=None, help="default 1500 (attributes) / 800 (artifact); --quick: 20")
+    p.add_argument("--steps", type=int, default=None, help="default 2000 (attributes) / 800 (artifact); --quick: 20")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -42,10 +59,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-eval", type=int, default=2000, help="held-out scenes for the accuracy report")
     p.add_argument("--out", default=None, help=f"output folder (default {WEIGHTS_DIR}; --quick: a temporary folder)")
     p.add_argument("--quick", action="store_true", help="test-sized run: 20 steps, 256 eval scenes")
-    p.add_argument("--evaluate-only", action="store_true", help="measure the judge in --out (or the shipped one)")
+    p.add_argument("--impossible-fraction", type=float, default=0.25, help="attributes: share of each batch outside the world")
+    p.add_argument("--evaluate-only", action="store_true", help="measure --checkpoint, else --out's judge (or the shipped)")
+    p.add_argument("--checkpoint", default=None, help="--evaluate-only: the judge file to measure")
     args = p.parse_args(argv)
     if args.steps is None:
-        args.steps = 20 if args.quick else {"attributes": 1500, "artifact": 800}[args.judge]
+        args.steps = 20 if args.quick else {"attributes": 2000, "artifact": 800}[args.judge]
+    if not 0.0 <= args.impossible_fraction < 1.0:
+        raise ValueError(f"--impossible-fraction={args.impossible_fraction} must be in [0, 1); 0.25 is the shipped judge's")
     if args.quick:
         args.num_eval = min(args.num_eval, 256)
     if args.steps < 1 or args.batch_size < 2:
@@ -55,12 +76,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def attribute_batch(num: int, generator: torch.Generator, augment: bool = True):
-    images, specs = random_batch(num, "all", generator)  # [N, 3, 32, 32]
+def attribute_batch(num: int, generator: torch.Generator, augment: bool = True, impossible_fraction: float = 0.0):
+    """Scenes [N, 3, 32, 32] and labels [N, 3] (count, colour, shape): round(N * fraction) impossible ones first."""
+    num_impossible = round(num * impossible_fraction)
+    images, specs = random_batch(num - num_impossible, "all", generator)  # [N - k, 3, 32, 32]
+    labels = [spec.labels for spec in specs]
+    if num_impossible:
+        odd, items = impossible_batch(num_impossible, generator)  # [k, 3, 32, 32]
+        images, labels = torch.cat([odd, images]), [scene_labels(scene) for scene in items] + labels
     if augment:
         images = soften(images, generator)
-    labels = torch.tensor([spec.labels for spec in specs])  # [N, 3] (count, colour, shape)
-    return images, labels
+    return images, torch.tensor(labels)  # [N, 3]
+
+
+def best_prompt_score(logits: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[N] the toy_attributes score of the best of the 36 prompts: the heads are independent, so the product of each
+    head's largest probability among the world's classes (never the "other" class)."""
+    probs = [logits[h].softmax(1)[:, :num].amax(1) for h, num in zip(HEADS, (len(COUNTS), len(COLOURS), len(SHAPES)))]
+    return probs[0] * probs[1] * probs[2]
 
 
 def artifact_batch(num: int, generator: torch.Generator, kinds: tuple[str, ...] = CORRUPTIONS):
@@ -94,6 +127,15 @@ def evaluate_attributes(judge: AttributeJudge, num: int, seed: int) -> dict:
             total += len(labels)
         result[name] = {h: round(correct[i].item() / total, 4) for i, h in enumerate(HEADS)}
         result[name]["all_three"] = round(joint / total, 4)
+    generator = torch.Generator().manual_seed(seed + 2_000_000)
+    for name, augment in (("impossible_raw", False), ("impossible_softened", True)):
+        scores = {kind: [] for kind in IMPOSSIBLE_KINDS}
+        for start in range(0, num, 250):
+            for kind in IMPOSSIBLE_KINDS:  # an equal share of each kind
+                images, _ = impossible_batch(max(1, min(250, num - start) // len(IMPOSSIBLE_KINDS)), generator, (kind,))
+                scores[kind].append(best_prompt_score(judge(soften(images, generator) if augment else images)))
+        result[name] = {f"{kind}_best_prompt_score": round(torch.cat(s).mean().item(), 4) for kind, s in scores.items()}
+        result[name]["mean_best_prompt_score"] = round(torch.cat([torch.cat(s) for s in scores.values()]).mean().item(), 4)
     return result
 
 
@@ -114,13 +156,6 @@ def evaluate_artifact(judge: ArtifactJudge, num: int, seed: int) -> dict:
     return result
 
 
-def write_manifest_entry(out: Path, name: str, entry: dict) -> None:
-    path = out / "manifest.json"
-    manifest = json.loads(path.read_text()) if path.is_file() else {}
-    manifest[name] = entry
-    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     command = "python scripts/train_toy_judges.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
@@ -129,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = ATTRIBUTE_FILE if args.judge == "attributes" else ARTIFACT_FILE
     evaluate = evaluate_attributes if args.judge == "attributes" else evaluate_artifact
     if args.evaluate_only:
-        checkpoint = None if out == WEIGHTS_DIR else out / name
+        checkpoint = args.checkpoint or (None if out == WEIGHTS_DIR else out / name)
         result = evaluate(load_judge(args.judge, checkpoint), args.num_eval, args.seed)
         print(json.dumps({"judge": args.judge, "heldout_accuracy": result}, indent=2))
         return result
@@ -144,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     start, running = time.time(), []
     for step in range(1, args.steps + 1):
         if args.judge == "attributes":
-            loss = attribute_loss(judge, *attribute_batch(args.batch_size, generator))
+            loss = attribute_loss(judge, *attribute_batch(args.batch_size, generator, True, args.impossible_fraction))
         else:
             images, labels = artifact_batch(args.batch_size, generator)
             loss = torch.nn.functional.binary_cross_entropy_with_logits(judge(images), labels)
@@ -162,7 +197,10 @@ def main(argv: list[str] | None = None) -> dict:
     # accuracy of the weights as stored (float16), which is what the rewards load
     stored = evaluate(load_judge(args.judge, path), args.num_eval, args.seed)
     entry = {"sha256": file_digest(path), "size": path.stat().st_size, "command": command, "seed": args.seed,
-             "steps": args.steps, "heldout_accuracy": stored, "train_minutes": round((time.time() - start) / 60, 1)}
+             "steps": args.steps, "heldout_accuracy": stored, "train_minutes": round((time.time() - start) / 60, 1),
+             "threads": args.threads}
+    if args.judge == "attributes":
+        entry["impossible_fraction"] = args.impossible_fraction
     write_manifest_entry(out, name, entry)
     print(json.dumps(entry, indent=2), flush=True)
     return entry

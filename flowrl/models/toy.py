@@ -6,7 +6,7 @@ runs at 16, 8 and 4 px with cross-attention at 8 and 4. Quick measurements on th
 (fwd+bwd, CPU seconds per step): a full-resolution 32 px UNet with cross-attention at 16 px costs 2.9 s at
 batch 64, the 32 px UNet with attention at 8 px only 0.58 s at batch 32, this packed UNet 0.33 s at batch 32;
 SD3Transformer2DModel with patch 2 costs 0.85 s/step at batch 64 and its patch-4 variant draws 4x4 blocks
-(ENVIRONMENT.md). The packed convolutional UNet is the one that fits the 30-minute budget.
+(docs/toy.md#shipped-model). The packed convolutional UNet is the one that fits the 30-minute budget.
 
 Text encoder: a tiny transformers `CLIPTextModel` over a word-level vocabulary of the grammar (the grammar is
 closed, so one token per word is exact and needs no tokenizer file); its contextual embeddings let
@@ -16,26 +16,19 @@ Training drops the prompt to "" 10% of the time, so classifier-free guidance is 
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from flowrl.sde import scheduler_sigmas
 from flowrl.models.lora import LoRAMixin
+from flowrl.models.precision import AutocastMixin
+from flowrl.sde import scheduler_sigmas
+from flowrl.toy.manifest import verified_weights
 from flowrl.toy.world import COLOURS, COUNTS, IMAGE_SIZE, SHAPES, parse_prompt
 from flowrl.types import Cond
 
-WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "toy" / "weights"
-MODEL_FILE = "toy_model.safetensors"
-MANIFEST_FILE = "manifest.json"
-REBUILD_SCRIPT = {
-    "toy_model.safetensors": "scripts/pretrain_toy.py",
-    "toy_attributes.safetensors": "scripts/train_toy_judges.py --judge attributes",
-    "toy_artifact.safetensors": "scripts/train_toy_judges.py --judge artifact",
-}
+MODEL_FILE = "toy_model.safetensors"  # in flowrl/toy/weights/, checked by flowrl.toy.manifest
 
 # word-level vocabulary: special tokens, then every word of the grammar (singular and plural shapes)
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
@@ -91,7 +84,7 @@ def build_text_encoder():
     return CLIPTextModel(CLIPTextConfig(**TEXT_CONFIG))
 
 
-class ToyFlowModel(LoRAMixin):
+class ToyFlowModel(LoRAMixin, AutocastMixin):
     """FlowModel over the Shapes world (flowrl.types.FlowModel); latents [N, 3, 32, 32] are pixels in [-1, 1]."""
 
     family = "toy"
@@ -122,6 +115,9 @@ class ToyFlowModel(LoRAMixin):
         return torch.stack([self._cache[p] for p in prompts])  # [N, L, D]
 
     def encode(self, prompts: list[str], negative_prompt: str = "", guidance_scale: float = 1.0) -> Cond:
+        for prompt in prompts:  # "" is the unconditional (negative) prompt only: a blank prompt is refused as any other
+            if not prompt.strip():
+                parse_prompt(prompt)
         cond = {"prompt_embeds": self._cached(list(prompts))}  # [N, L, D]
         if guidance_scale > 1.0:
             cond["negative_prompt_embeds"] = self._cached([negative_prompt] * len(prompts))  # [N, L, D]
@@ -160,7 +156,8 @@ class ToyFlowModel(LoRAMixin):
                 raise ValueError(f"guidance_scale={guidance_scale} needs cond from encode(..., guidance_scale={guidance_scale})")
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])  # [2N, L, D]
             x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
-        out = unpack(self.transformer(pack(x), sigma * 1000.0, encoder_hidden_states=embeds.to(self.dtype)).sample).float()
+        with self.autocast():
+            out = unpack(self.transformer(pack(x), sigma * 1000.0, encoder_hidden_states=embeds.to(self.dtype)).sample).float()
         if guidance_scale > 1.0:
             uncond, text = out.chunk(2)
             return uncond + guidance_scale * (text - uncond)  # [N, 3, H, W]
@@ -174,32 +171,6 @@ class ToyFlowModel(LoRAMixin):
 
 
 # ---- shipped weights ------------------------------------------------------------------------------------
-
-
-def file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def verified_weights(name: str, weights_dir: Path | None = None) -> Path:
-    """Path of a shipped weight file after checking it against the manifest's size and sha256."""
-    weights_dir = Path(weights_dir) if weights_dir is not None else WEIGHTS_DIR
-    path = weights_dir / name
-    script = REBUILD_SCRIPT.get(name, "the script named in manifest.json")
-    if not path.is_file():
-        raise FileNotFoundError(f"toy weights {path} are missing; rebuild them with `python {script}`")
-    manifest_path = weights_dir / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"toy weights manifest {manifest_path} is missing; rebuild it with `python {script}`")
-    entry = json.loads(manifest_path.read_text()).get(name)
-    if entry is None:
-        raise ValueError(f"toy weights {path} have no entry in {manifest_path}; rebuild them with `python {script}`")
-    size = path.stat().st_size
-    if size != entry["size"] or file_digest(path) != entry["sha256"]:
-        raise ValueError(
-            f"toy weights {path} are corrupted (size {size} vs {entry['size']} or sha256 mismatch in manifest.json); "
-            f"rebuild them with `python {script}`"
-        )
-    return path
 
 
 def toy_model_from_state_dict(state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> ToyFlowModel:

@@ -3,6 +3,11 @@
 `AttributeJudge` reads count, colour and shape (three softmax heads; the "GenEval" of this world);
 `ArtifactJudge` tells clean renders from corrupted ones (one logit, P(artifact) = sigmoid). Both take images
 [N, 3, 32, 32] in [0, 1] and are plain torch modules, so rewards built on them are differentiable.
+
+The shipped attribute judge also knows what the world never draws: each head has one more class, "other" (a count
+outside one..three, no single colour, no single shape), trained on `world.impossible_batch` scenes, so four
+circles do not read as "three". The first judge had no "other" classes (it is kept as a test fixture, the
+"count-blind" judge); `load_judge` builds whichever heads a file holds.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flowrl.toy.manifest import verified_weights
 from flowrl.toy.world import COLOURS, COUNTS, IMAGE_SIZE, SHAPES
 
 ATTRIBUTE_FILE = "toy_attributes.safetensors"
@@ -22,11 +28,28 @@ def _conv(c_in: int, c_out: int, stride: int = 1) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1), nn.GroupNorm(8, c_out), nn.GELU())
 
 
-class AttributeJudge(nn.Module):
-    """Images [N, 3, 32, 32] -> logits {"count": [N, 3], "colour": [N, 4], "shape": [N, 3]}."""
+OTHER_CLASS = {"count": len(COUNTS), "colour": len(COLOURS), "shape": len(SHAPES)}  # index of each head's "other"
 
-    def __init__(self, width: int = 16):
+
+def scene_labels(items: list[tuple[str, str]]) -> tuple[int, int, int]:
+    """(count, colour, shape) class ids of any scene [(colour, shape), ...]: a spec's `labels` for a scene the world
+    draws, each head's "other" class (`OTHER_CLASS`) for a count outside 1..3, no single colour or no single shape."""
+    colours, shapes = {c for c, _ in items}, {s for _, s in items}
+    return (
+        len(items) - 1 if 1 <= len(items) <= len(COUNTS) else OTHER_CLASS["count"],
+        COLOURS.index(colours.pop()) if len(colours) == 1 else OTHER_CLASS["colour"],
+        SHAPES.index(shapes.pop()) if len(shapes) == 1 else OTHER_CLASS["shape"],
+    )
+
+
+class AttributeJudge(nn.Module):
+    """Images [N, 3, 32, 32] -> logits {"count": [N, 3+1], "colour": [N, 4+1], "shape": [N, 3+1]}, the last class of
+    each head "other" (`OTHER_CLASS`); with `other_class=False` the heads are [N, 3], [N, 4], [N, 3]."""
+
+    def __init__(self, width: int = 16, other_class: bool = True):
         super().__init__()
+        self.other_class = other_class
+        extra = int(other_class)
         self.features = nn.Sequential(
             _conv(3, width),  # 32x32
             _conv(width, 2 * width, stride=2), _conv(2 * width, 2 * width),  # 16x16
@@ -35,7 +58,7 @@ class AttributeJudge(nn.Module):
         )
         self.trunk = nn.Sequential(nn.Flatten(), nn.Linear(8 * width * 16, 256), nn.GELU())
         self.heads = nn.ModuleDict(
-            {"count": nn.Linear(256, len(COUNTS)), "colour": nn.Linear(256, len(COLOURS)), "shape": nn.Linear(256, len(SHAPES))}
+            {name: nn.Linear(256, len(classes) + extra) for name, classes in (("count", COUNTS), ("colour", COLOURS), ("shape", SHAPES))}
         )
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -70,11 +93,19 @@ def judge_input(images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return images.to(dtype)
 
 
+def _has_other_class(state: dict[str, torch.Tensor], path: Path) -> bool:
+    """Whether an attribute-judge file has the "other" classes, read from its count head's shape."""
+    weight = state.get("heads.count.weight")
+    found = "no heads.count.weight" if weight is None else f"heads.count.weight with {weight.shape[0]} rows"
+    if weight is None or weight.shape[0] not in (len(COUNTS), len(COUNTS) + 1):
+        raise ValueError(f"{path} has {found} (an attribute judge has {len(COUNTS)} or {len(COUNTS) + 1}); "
+                         "pass a file written by scripts/train_toy_judges.py --judge attributes")
+    return weight.shape[0] == len(COUNTS) + 1
+
+
 def load_judge(kind: str, checkpoint: str | Path | None = None, device="cpu", dtype=torch.float32) -> nn.Module:
     """A judge from the shipped weights (size and sha256 checked) or from a checkpoint file."""
     from safetensors.torch import load_file
-
-    from flowrl.models.toy import verified_weights
 
     classes = {"attributes": (AttributeJudge, ATTRIBUTE_FILE), "artifact": (ArtifactJudge, ARTIFACT_FILE)}
     if kind not in classes:
@@ -86,6 +117,7 @@ def load_judge(kind: str, checkpoint: str | Path | None = None, device="cpu", dt
         path = Path(checkpoint)
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint={str(path)!r} does not exist; pass a file written by scripts/train_toy_judges.py")
-    judge = cls()
-    judge.load_state_dict({k: v.float() for k, v in load_file(str(path)).items()})
+    state = {k: v.float() for k, v in load_file(str(path)).items()}
+    judge = cls() if kind == "artifact" else AttributeJudge(other_class=_has_other_class(state, path))
+    judge.load_state_dict(state)
     return judge.to(device, dtype).eval().requires_grad_(False)

@@ -205,3 +205,68 @@ def soften(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     out = images + mix * (blurred - images)
     out = out + 0.03 * torch.rand(n, 1, 1, 1, generator=generator) * torch.randn(images.shape, generator=generator)
     return out.clamp(0.0, 1.0)
+
+
+# ---- scenes the world never draws (the attribute judge's negatives, the exact checker's tests) ---------------
+
+IMPOSSIBLE_KINDS = ("empty", "four", "five", "mixed_colours", "mixed_shapes")
+
+
+def render_items(items: list[tuple[str, str]], seed: int, size: int = IMAGE_SIZE) -> torch.Tensor:
+    """Any scene [3, size, size] of `items` = [(colour, shape), ...], placed and sized as `render` places them (one
+    radius per scene, shrunk until nothing overlaps), so `render_items([(c, s)] * n, seed) == render(ShapeSpec(n, c,
+    s), seed)`. It also draws what `render` never does: no shape, four or five, several colours or shapes at once."""
+    for colour, shape in items:
+        if colour not in COLOURS or shape not in SHAPES:
+            raise ValueError(f"item ({colour!r}, {shape!r}) is unknown; colours are {COLOURS}, shapes {SHAPES}")
+    rng = np.random.default_rng(seed)
+    ys, xs = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5  # pixel centres, [size, size]
+    coverage = {colour: np.zeros((size, size)) for colour, _ in items}  # one coverage map per colour
+    if items:
+        radius = rng.uniform(3.5, 6.0) * size / IMAGE_SIZE
+        centres = None
+        while centres is None:
+            extent = radius * max(1.25 if shape == "triangle" else 1.2 for _, shape in items)
+            centres = _place(rng, len(items), extent, size)
+            radius = radius if centres is not None else radius * 0.9
+        for (colour, shape), (cx, cy) in zip(items, centres):
+            alpha = np.clip(0.5 - _signed_distance(shape, xs - cx, ys - cy, radius), 0.0, 1.0)
+            coverage[colour] = np.maximum(coverage[colour], alpha)
+    background = np.asarray(BACKGROUND_RGB)[:, None, None]  # [3, 1, 1]
+    total = sum(coverage.values(), np.zeros((size, size)))  # shapes never overlap, so this is at most 1
+    image = background * (1 - total) + sum((np.asarray(COLOUR_RGB[c])[:, None, None] * a for c, a in coverage.items()), 0.0)
+    return torch.from_numpy(np.broadcast_to(image, (3, size, size)).astype(np.float32))
+
+
+def impossible_items(kind: str, generator: torch.Generator) -> list[tuple[str, str]]:
+    """The (colour, shape) items of one scene the world never renders: "empty" (no shape), "four" or "five" alike
+    shapes, "mixed_colours" (two or three alike shapes in at least two colours), "mixed_shapes" (at least two shapes
+    in one colour)."""
+    def pick(pool: tuple[str, ...], num: int = 1) -> list[str]:
+        return [pool[i] for i in torch.randint(len(pool), (num,), generator=generator).tolist()]
+
+    def mixed(pool: tuple[str, ...]) -> list[str]:
+        num = int(torch.randint(2, 4, (), generator=generator))
+        first, second = (pool[i] for i in torch.randperm(len(pool), generator=generator)[:2].tolist())
+        return [first, second] + pick(pool, num - 2)  # at least two distinct values
+
+    if kind == "empty":
+        return []
+    if kind in ("four", "five"):
+        return [(pick(COLOURS)[0], pick(SHAPES)[0])] * (4 if kind == "four" else 5)
+    if kind == "mixed_colours":
+        shape = pick(SHAPES)[0]
+        return [(colour, shape) for colour in mixed(COLOURS)]
+    if kind == "mixed_shapes":
+        colour = pick(COLOURS)[0]
+        return [(colour, shape) for shape in mixed(SHAPES)]
+    raise ValueError(f"impossible scene kind={kind!r} is unknown; use one of {', '.join(IMPOSSIBLE_KINDS)}")
+
+
+def impossible_batch(num: int, generator: torch.Generator, kinds: tuple[str, ...] = IMPOSSIBLE_KINDS):
+    """Renders [N, 3, 32, 32] of scenes outside the world, the kind drawn uniformly from `kinds` per scene, and their
+    items [N] (lists of (colour, shape)), seeded by the generator."""
+    which = torch.randint(len(kinds), (num,), generator=generator).tolist()  # [N]
+    items = [impossible_items(kinds[k], generator) for k in which]
+    seeds = torch.randint(2**31 - 1, (num,), generator=generator).tolist()  # [N]
+    return torch.stack([render_items(scene, seed) for scene, seed in zip(items, seeds)]), items

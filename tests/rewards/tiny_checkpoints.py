@@ -1,13 +1,21 @@
-"""Tiny checkpoint factories for the reward tests: flowrl.rewards.tiny plus `remote` (an in-thread server)."""
+"""Tiny checkpoint factories for the reward tests: flowrl.rewards._tiny plus `remote` (an in-thread server)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from flowrl.rewards.tiny import (  # noqa: F401  (re-exported for the test modules)
-    MED, TINY_REWARDS, VISION, WORDS, make_imagereward_files, tiny_aesthetic_head, tiny_open_clip, tiny_pickscore,
+from flowrl.rewards._tiny import (  # noqa: F401  (re-exported for the test modules)
+    MED,
+    TINY_REWARDS,
+    VISION,
+    WORDS,
+    make_imagereward_files,
+    tiny_aesthetic_head,
+    tiny_open_clip,
+    tiny_pickscore,
 )
 
 _SERVERS: list = []
@@ -15,7 +23,7 @@ _SERVERS: list = []
 
 def _remote(folder: Path) -> dict[str, Any]:
     from flowrl.registry import REWARDS
-    from flowrl.rewards.reward_server import make_server
+    from flowrl.rewards._server import make_server
 
     server = make_server(REWARDS.build("jpeg_compressibility"), port=0, token="secret")
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -29,4 +37,5 @@ REWARD_FACTORIES: dict[str, Callable[[Path], dict[str, Any]]] = {**TINY_REWARDS,
 CONTRACT_PROMPTS: dict[str, list[str]] = {
     "toy_attributes": ["two red circles", "one blue square", "three green triangles"],
     "toy_artifact": ["two red circles", "one blue square", "three green triangles"],
+    "toy_exact": ["two red circles", "one blue square", "three green triangles"],
 }

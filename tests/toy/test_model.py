@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from flowrl.models import toy
-from flowrl.models.toy import ToyFlowModel, build_text_encoder, build_unet, load_toy_model, verified_weights
+from flowrl.models.toy import ToyFlowModel, build_text_encoder, build_unet, load_toy_model
+from flowrl.toy.manifest import WEIGHTS_DIR, verified_weights
 from flowrl.types import FlowModel
 
 
@@ -104,7 +105,7 @@ def test_missing_or_corrupted_weights_name_the_file_and_the_script(tmp_path):
     with pytest.raises(FileNotFoundError, match="toy_model.safetensors are missing; rebuild them with `python scripts/pretrain_toy.py`"):
         verified_weights("toy_model.safetensors", tmp_path)
     for name in ("toy_model.safetensors", "manifest.json"):
-        shutil.copy(toy.WEIGHTS_DIR / name, tmp_path / name)
+        shutil.copy(WEIGHTS_DIR / name, tmp_path / name)
     assert verified_weights("toy_model.safetensors", tmp_path) == tmp_path / "toy_model.safetensors"
     data = bytearray((tmp_path / "toy_model.safetensors").read_bytes())
     data[-10] ^= 0xFF  # same size, different hash

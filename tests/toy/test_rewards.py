@@ -118,3 +118,50 @@ def test_attribute_judge_agrees_with_pixel_analysis_on_model_samples(attributes)
         agree.append((count - 1 == logits["count"][i].argmax().item(), colour == logits["colour"][i].argmax().item()))
     agree = torch.tensor(agree).float().mean(0)
     assert agree[0] >= 0.85 and agree[1] >= 0.9, agree
+
+
+def best_prompt_scores(reward, images: torch.Tensor) -> torch.Tensor:
+    """[N] each image's score under the best of the world's 36 prompts, by scoring every prompt."""
+    prompts = world.split_prompts("all")
+    return torch.stack([reward(images, [p] * len(images), None).scores for p in prompts]).amax(0)
+
+
+@pytest.fixture(scope="module")
+def impossible():
+    generator = torch.Generator().manual_seed(FRESH_SEED + 1)
+    images, items = world.impossible_batch(40, generator)  # every kind: none, four, five, two colours, two shapes
+    return soften(images, generator), items
+
+
+def test_shipped_judge_scores_scenes_outside_the_world_low(attributes, impossible):
+    images, _ = impossible
+    best = best_prompt_scores(attributes, images)
+    assert best.mean() < 0.05 and best.max() < 0.5, best
+    four = world.render_items([("red", "circle")] * 4, 5)[None]
+    assert attributes(four, ["three red circles"], None).scores.item() < 0.05
+
+
+def test_countblind_judge_loads_from_its_fixture_and_is_hackable(countblind_checkpoint, fresh, impossible):
+    """The first judge (3/4/3 classes, no "other") still loads with `checkpoint=`, reads the world as well as
+    before, and gives scenes outside the world a high score for some prompt: measured 0.97 on average."""
+    blind = REWARDS.build("toy_attributes", checkpoint=str(countblind_checkpoint))
+    assert blind.judge.other_class is False
+    assert [blind.judge.heads[h].out_features for h in ("count", "colour", "shape")] == [3, 4, 3]
+    images, specs, _ = fresh
+    assert (blind(images, [s.prompt for s in specs], None).scores > 0.5).float().mean() >= 0.95
+    assert best_prompt_scores(blind, impossible[0]).mean() > 0.5
+
+
+def test_scene_labels_and_judge_files_with_unknown_heads(tmp_path):
+    from safetensors.torch import save_file
+
+    from flowrl.toy.judges import ArtifactJudge, load_judge, scene_labels
+
+    assert scene_labels([("blue", "square")] * 2) == (1, 2, 1)  # ShapeSpec(2, "blue", "square").labels
+    assert scene_labels([]) == (3, 4, 3)  # no shape: count, colour and shape are all "other"
+    assert scene_labels([("red", "circle")] * 4) == (3, 0, 0)
+    assert scene_labels([("red", "circle"), ("blue", "circle"), ("red", "square")]) == (2, 4, 3)
+    path = tmp_path / "artifact.safetensors"
+    save_file(ArtifactJudge().state_dict(), str(path))
+    with pytest.raises(ValueError, match="artifact.safetensors has no heads.count.weight .*--judge attributes"):
+        load_judge("attributes", path)

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.models.toy import WEIGHTS_DIR, load_toy_model
+from flowrl.models.toy import load_toy_model
+from flowrl.toy.manifest import WEIGHTS_DIR
+from flowrl.toy.world import IMPOSSIBLE_KINDS
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -34,6 +36,21 @@ def test_judge_quick_run_records_its_accuracy(tmp_path):
     entry = load_script("train_toy_judges").main(["--judge", "artifact", "--quick", "--steps", "3", "--num-eval", "32", "--out", str(tmp_path)])
     assert set(entry["heldout_accuracy"]) == {"clean_raw", "clean_softened", "noise", "blocking", "stripes", "saturation", "balanced"}
     assert (tmp_path / "toy_artifact.safetensors").is_file()
+
+
+def test_attribute_judge_quick_run_records_valid_and_impossible_scores(tmp_path):
+    entry = load_script("train_toy_judges").main(["--judge", "attributes", "--quick", "--steps", "2", "--num-eval", "20",
+                                                  "--out", str(tmp_path)])
+    accuracy = entry["heldout_accuracy"]
+    assert set(accuracy) == {"raw", "softened", "impossible_raw", "impossible_softened"}
+    kinds = {f"{k}_best_prompt_score" for k in IMPOSSIBLE_KINDS}
+    assert set(accuracy["impossible_softened"]) == kinds | {"mean_best_prompt_score"}
+    assert entry["impossible_fraction"] == 0.25 and entry["steps"] == 2
+    from flowrl.toy.judges import load_judge
+
+    assert load_judge("attributes", tmp_path / "toy_attributes.safetensors").other_class is True
+    with pytest.raises(ValueError, match="--impossible-fraction=1.0 must be in"):
+        load_script("train_toy_judges").parse_args(["--judge", "attributes", "--impossible-fraction", "1"])
 
 
 def test_label_noise_redraws_count_and_colour_at_the_given_rates():

@@ -6,8 +6,18 @@ import pytest
 import torch
 
 from flowrl.toy import world
-from flowrl.toy.world import (ALL_SPECS, BACKGROUND_RGB, COLOUR_RGB, CORRUPTIONS, HELD_OUT, TRAIN, ShapeSpec, corrupt,
-                              parse_prompt, render)
+from flowrl.toy.world import (
+    ALL_SPECS,
+    BACKGROUND_RGB,
+    COLOUR_RGB,
+    CORRUPTIONS,
+    HELD_OUT,
+    TRAIN,
+    ShapeSpec,
+    corrupt,
+    parse_prompt,
+    render,
+)
 
 
 def components(mask: torch.Tensor) -> list[list[tuple[int, int]]]:
@@ -82,7 +92,9 @@ def test_heldout_split_is_disjoint_and_every_pair_is_seen_in_training():
     assert set(TRAIN).isdisjoint(HELD_OUT) and set(TRAIN) | set(HELD_OUT) == set(ALL_SPECS)
     assert len(HELD_OUT) == 8
     for a, b in itertools.combinations(range(3), 2):
-        key = lambda s: ((s.count, s.colour, s.shape)[a], (s.count, s.colour, s.shape)[b])
+        def key(s, a=a, b=b):
+            return (s.count, s.colour, s.shape)[a], (s.count, s.colour, s.shape)[b]
+
         assert {key(s) for s in TRAIN} == {key(s) for s in ALL_SPECS}, "an attribute pair is never trained"
     assert world.split_prompts("heldout")[1] == "two red circles"
     with pytest.raises(ValueError, match="split='test' is unknown"):
@@ -116,3 +128,37 @@ def test_corruptions_leave_their_signature():
             assert blocks.var(2).sum() < 0.2 * clean_blocks.var(2).sum()
     with pytest.raises(ValueError, match="corruption kind='blur' is unknown"):
         corrupt(clean, "blur", generator)
+
+
+def test_render_items_draws_what_render_draws_and_what_it_never_does():
+    for spec in ALL_SPECS[::5]:
+        assert torch.equal(world.render_items([(spec.colour, spec.shape)] * spec.count, 11), render(spec, 11))
+    background = torch.tensor(BACKGROUND_RGB)[:, None, None]
+    assert torch.equal(world.render_items([], 0), background.expand(3, 32, 32))
+    items = [("red", "circle"), ("blue", "square"), ("blue", "triangle"), ("yellow", "circle"), ("green", "square")]
+    image = world.render_items(items, 3)  # five shapes, four colours, three shapes
+    outside = (image - background).abs().amax(0) < 1e-6
+    blobs = components(~outside)
+    assert len(blobs) == 5
+    for colour in ("red", "blue", "yellow", "green"):  # each colour's pure pixels are there
+        assert ((image - torch.tensor(COLOUR_RGB[colour])[:, None, None]).abs().amax(0) < 1e-6).any(), colour
+    with pytest.raises(ValueError, match=r"item \('pink', 'circle'\) is unknown"):
+        world.render_items([("pink", "circle")], 0)
+
+
+def test_impossible_scenes_are_outside_the_world():
+    generator = torch.Generator().manual_seed(0)
+    for kind in world.IMPOSSIBLE_KINDS:
+        for _ in range(30):
+            items = world.impossible_items(kind, generator)
+            colours, shapes = {c for c, _ in items}, {s for _, s in items}
+            expected = {"empty": (0, 0, 0), "four": (4, 1, 1), "five": (5, 1, 1)}.get(kind)
+            if expected is not None:
+                assert (len(items), len(colours), len(shapes)) == expected, (kind, items)
+            else:
+                assert 2 <= len(items) <= 3 and (len(colours) >= 2) == (kind == "mixed_colours"), (kind, items)
+                assert (len(shapes) >= 2) == (kind == "mixed_shapes"), (kind, items)
+    images, items = world.impossible_batch(10, generator, ("four",))
+    assert images.shape == (10, 3, 32, 32) and all(len(i) == 4 for i in items)
+    with pytest.raises(ValueError, match="impossible scene kind='six' is unknown"):
+        world.impossible_items("six", generator)

@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+
 class ChromiumPage:
     """One headless Chromium tab over CDP: load a file, collect console errors, evaluate JS, take a screenshot."""
 

@@ -21,7 +21,7 @@ def fabricate_run(root: Path, name: str, *, prompts: list[str], seeds: list[int]
                   checkpoints: bool = True) -> Path:
     """runs/<name> in the trainer's layout: config.yaml, metrics.jsonl, checkpoints/, eval/base + eval/step_*.
 
-    `scores_fn(step_index, p, s) -> {reward: value}`; per-prompt means, overall means and diversity are
+    `scores_fn(step_index, p, s) -> {reward: value or None}`; per-prompt means, overall means and diversity are
     computed here with numpy (the report must show these numbers).
     """
     scores_fn = scores_fn or (lambda k, p, s: {TRAIN: 0.5 + 0.1 * k + 0.01 * p + 0.001 * s, GOLD: 0.9 - 0.05 * k - 0.02 * p})
@@ -55,7 +55,7 @@ def fabricate_run(root: Path, name: str, *, prompts: list[str], seeds: list[int]
                     sample["image"] = f"{stem}.png"
                 samples.append(sample)
         names = list(samples[0]["scores"])
-        per_prompt = {n: [float(np.mean([x["scores"][n] for x in samples if x["prompt_index"] == p])) for p in range(len(prompts))]
+        per_prompt = {n: [_mean([x["scores"][n] for x in samples if x["prompt_index"] == p]) for p in range(len(prompts))]
                       for n in names}
         diversity = [0.3 - 0.1 * k + 0.01 * p for p in range(len(prompts))]
         (folder / "scores.json").write_text(json.dumps({
@@ -63,7 +63,13 @@ def fabricate_run(root: Path, name: str, *, prompts: list[str], seeds: list[int]
             "seeds": seeds, "metadata": [{} for _ in prompts],
             "rewards": {"train": [n for n in names if n == TRAIN], "gold": [n for n in names if n != TRAIN]},
             "samples": samples, "per_prompt": per_prompt,
-            "means": {n: float(np.mean([x["scores"][n] for x in samples])) for n in names},
+            "means": {n: _mean([x["scores"][n] for x in samples]) for n in names},
             "diversity": {"space": "pixel", "per_prompt": diversity, "mean": float(np.mean(diversity))},
         }))
     return run
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """numpy mean of the scores that apply (None = not applicable, as scores.json's null); None when none do."""
+    present = [v for v in values if v is not None]
+    return float(np.mean(present)) if present else None

@@ -120,15 +120,13 @@ def test_gaps_missing_image_truncated_metrics_missing_checkpoint(tmp_path):
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 11, "train/lo')  # a crash mid-line
     shutil.rmtree(run_dir / "checkpoints" / "step_000010")
-    for name, text in (("step_000011", '{"prompts": ["a"], "see'), ("step_000012", '{"prompts": ["a"], "seeds": [0]}')):
-        (run_dir / "eval" / name).mkdir()
-        (run_dir / "eval" / name / "scores.json").write_text(text)  # an interrupted write; a foreign file
+    (run_dir / "eval" / "step_000011").mkdir()  # a crash during an eval: images written, scores.json not yet
+    Image.new("RGB", (16, 16)).save(run_dir / "eval" / "step_000011" / "p000_s000.png")
     assert main(["report", str(run_dir)]) == 0
     page_text = (run_dir / "report" / "index.html").read_text()
     page = Cells(page_text)
     expected = ["eval/step_000005/p001_s002.png is missing", "metrics.jsonl line 11 is not valid JSON",
-                "checkpoints/step_000010/ is missing", "eval/step_000011/scores.json is not valid JSON",
-                "eval/step_000012/scores.json has no 'samples' list"]
+                "checkpoints/step_000010/ is missing", "eval/step_000011/scores.json is missing"]
     for text in expected:
         assert sum(text in gap for gap in page.gaps) == 1, (text, page.gaps)
     assert "missing p001_s002.png" in page_text  # stated in the grid cell too, instead of a broken image
@@ -186,7 +184,8 @@ def test_eval_output_folder_follows_the_run_layout(tmp_path):
 
     checkpoint = tmp_path / "runs" / "demo" / "checkpoints" / "step_000120"
     checkpoint.mkdir(parents=True)
-    assert _eval_out_dir(Config(), str(checkpoint), None) == (str(tmp_path / "runs" / "demo" / "eval" / "step_000120"), 120, "step_000120")
+    expected = (str(tmp_path / "runs" / "demo" / "eval" / "step_000120"), 120, "step_000120")
+    assert _eval_out_dir(Config(), str(checkpoint), None) == expected
     assert _eval_out_dir(Config(), "base", None) == (str(tmp_path / "runs" / "demo" / "eval" / "base"), 0, "base")
     assert _eval_out_dir(object(), "base", "elsewhere") == ("elsewhere", 0, "base")
     with pytest.raises(ValueError, match="--out"):
@@ -252,12 +251,13 @@ def test_not_applicable_scores_show_as_na():
     from flowrl.report import caption_lines, fmt, fmt_delta
 
     assert caption_lines({"scores": {"ocr": None, "clip": 0.123456}}, ["ocr", "clip"]) == ["ocr n/a", "clip 0.1235"]
-    assert (fmt(None), fmt(float("nan")), fmt(-1234.5678), fmt_delta(0.5), fmt_delta(None)) == ("n/a", "n/a", "-1235", "+0.5", "n/a")
+    shown = (fmt(None), fmt(float("nan")), fmt(-1234.5678), fmt_delta(0.5), fmt_delta(None))
+    assert shown == ("n/a", "n/a", "-1235", "+0.5", "n/a")
 
 
 def test_a_bare_run_folder_still_yields_a_report(tmp_path):
     run_dir = tmp_path / "bare"
-    run_dir.mkdir()
+    (run_dir / "eval").mkdir(parents=True)  # a run stopped before its base evaluation finished
     (run_dir / "config.yaml").write_text("name: bare\n")
     result = build_report(run_dir)
     gaps = [g for _, g in result["gaps"]]

@@ -14,7 +14,7 @@ from flowrl.cli import main
 
 
 def test_trainer_run_folder_report_and_eval(tiny_pipeline, tmp_path, capsys):
-    from flowrl.config import build_config
+    from flowrl.trainers import build_config
     from flowrl.trainers.grpo import GRPOTrainer
 
     data = {

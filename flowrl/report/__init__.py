@@ -1,0 +1,62 @@
+"""The report of a run folder: grid_<step>.png files and one self-contained index.html.
+
+    flowrl report RUN_DIR [--compare RUN_DIR ...] [--out DIR] [--steps 100 200] [--hacking-margin 0.02]
+
+Reads the run folder layout the trainer writes (config.yaml, metrics.jsonl, checkpoints/step_XXXXXX/,
+eval/base/ and eval/step_XXXXXX/ with scores.json from `flowrl.evaluation`) and writes to --out (default
+RUN_DIR/report/):
+
+- grid_<step>.png (grid_<run>_<step>.png for compared runs): rows = prompts, columns = seeds, each cell
+  captioned with its rewards; the base block and the checkpoint's block side by side (videos as frame strips);
+- index.html: one file with every image inline (base64 data URIs, no scripts, no external CSS/fonts):
+  overall table, reward-hacking panel, reward/KL curves, per-reward tables with the change from base (per
+  prompt and overall), the sample grids (videos as strips plus the animated GIF), the run's config and the
+  environment, and a "Gaps" list naming every missing piece of the run folder.
+
+Malformed input (no eval/, a scores.json that is not JSON or breaks the format, a broken metrics.jsonl
+line before the last) raises ValueError / FileNotFoundError with one line naming the file and the fix.
+
+Reward hacking: at each eval step after base, a gold reward or the diversity is flagged when it fell by more
+than `hacking_margin` (absolute, in the reward's units) from base while at least one training reward rose;
+a gold reward paired with a training reward (`hacking_pairs`) is also flagged when, on the same samples, the
+training reward's gain exceeds its own by more than the margin (`flowrl.report.hacking`).
+
+Modules: runs (reading a run folder), scores (checking scores.json), grid (grid PNGs and number format),
+curves (training curves), hacking (the panel's rules, plot and HTML), page (index.html), writer (build_report).
+"""
+
+from flowrl.report.curves import curves_png
+from flowrl.report.grid import GlyphPainter, caption_lines, display_height, fmt, fmt_delta, render_grid
+from flowrl.report.hacking import check_pairs, hacking_png, hacking_rows, paired_gains
+from flowrl.report.page import CSS, PACKAGES, data_uri, environment
+from flowrl.report.runs import DIVERSITY, STEP_DIR, EvalRecord, RunRecord, load_run, read_metrics
+from flowrl.report.scores import read_scores, scores_problem
+from flowrl.report.writer import build_report, write_report
+
+__all__ = [
+    "CSS",
+    "DIVERSITY",
+    "PACKAGES",
+    "STEP_DIR",
+    "EvalRecord",
+    "GlyphPainter",
+    "RunRecord",
+    "build_report",
+    "caption_lines",
+    "check_pairs",
+    "curves_png",
+    "data_uri",
+    "display_height",
+    "environment",
+    "fmt",
+    "fmt_delta",
+    "hacking_png",
+    "hacking_rows",
+    "load_run",
+    "paired_gains",
+    "read_metrics",
+    "read_scores",
+    "render_grid",
+    "scores_problem",
+    "write_report",
+]

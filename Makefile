@@ -2,11 +2,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flowrl-installed
-# torch and torchvision must come as this pair (see ENVIRONMENT notes in the README)
+# torch and torchvision must come as this pair (the pair that imports together with open_clip here; see the README)
 TORCH := torch==2.14.1 torchvision==0.29.1
 PYTEST_ARGS ?= -q
 
-.PHONY: demo test venv clean
+.PHONY: demo test lint venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

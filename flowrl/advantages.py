@@ -1,4 +1,4 @@
-"""Group statistics of rewards and the advantages built from them (ALGORITHMS.md §0.4).
+"""Group statistics of rewards and the advantages built from them (docs/math.md#advantages).
 
 All functions take flat tensors over the global batch (B*G samples, gathered from every process) and an
 integer group id per sample; samples whose reward is NaN (not applicable / failed) take no part in their

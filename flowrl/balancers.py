@@ -1,4 +1,4 @@
-"""Multi-reward balancers: scores of K rewards -> one advantage per sample (ALGORITHMS.md §0.4, §7).
+"""Multi-reward balancers: scores of K rewards -> one advantage per sample (docs/math.md#advantages, #multi-reward-balancing).
 
 Signature (DESIGN.md): `balancer(scores: dict[str, Tensor[M]], group_ids [M], weights: dict[str, float])
 -> (advantages [M], metrics)`, over the gathered global batch.

@@ -20,26 +20,27 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from flowrl.runs import step_dir_name
 
 STEP_PREFIX = "step_"
 # Tests set this to a step number to SIGKILL the process in the middle of writing that step's checkpoint.
 FAULT_ENV = "FLOWRL_FAULT_KILL_DURING_CHECKPOINT"
 # keys that may differ between a checkpoint's config and the config that resumes it
 RESUMABLE_DIFFERENCES = ("num_steps", "checkpoint.", "logging.", "eval.", "device", "output_dir")
-
-
-def step_dir_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:06d}"
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -88,6 +89,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(
     accelerator, run_dir: str | Path, step: int, *, trainable: dict[str, torch.Tensor], optimizer_state: dict, lr_scheduler,
     trainer_state: dict, config_yaml: str, ema: dict[str, torch.Tensor] | None = None, model=None, keep_last: int = 2,
+    lora_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the full state of every process for `step`; all processes must call it. Returns the folder.
 
@@ -113,7 +115,7 @@ def save_checkpoint(
         (tmp / "lr_scheduler.json").write_text(json.dumps(lr_scheduler.state_dict()))
         (tmp / "config.yaml").write_text(config_yaml)
         if model is not None and getattr(model, "has_lora", False):
-            model.save_lora(tmp / "lora", trainable)
+            model.save_lora(tmp / "lora", lora_tensors if lora_tensors is not None else trainable)
         (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -130,22 +132,51 @@ def save_checkpoint(
     return final
 
 
+# what reading a damaged checkpoint file raises: json/yaml/UTF-8 errors, safetensors headers, torch's zip and unpickler
+_READ_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError, yaml.YAMLError, SafetensorError, pickle.UnpicklingError)
+
+
+def _read_checkpoint_file(file: Path, read: Callable[[Path], Any], kind: type | None = None) -> Any:
+    """One file of a checkpoint through `read`; a missing or damaged file is a one-line error naming it and the fix."""
+    fix = "pass another checkpoints/step_XXXXXX folder (e.g. the previous step) or rewrite this one by training again"
+    if not file.is_file():
+        raise FileNotFoundError(f"checkpoint file {str(file)!r} is missing; {fix}")
+    try:
+        value = read(file)
+    except _READ_ERRORS as err:
+        detail = " ".join(str(err).split())[:160] or type(err).__name__
+        raise ValueError(f"checkpoint file {str(file)!r} is corrupt or truncated ({detail}); {fix}") from None
+    if kind is not None and not isinstance(value, kind):
+        raise ValueError(f"checkpoint file {str(file)!r} holds a {type(value).__name__}, not a {kind.__name__}; {fix}")
+    return value
+
+
 def load_checkpoint(path: str | Path, process_index: int = 0) -> dict[str, Any]:
     """Read a checkpoint folder: tensors through safetensors, the optimizer with weights_only=True."""
     path = Path(path)
     if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} has no trainer_state.json; pass a checkpoints/step_XXXXXX folder")
-    out: dict[str, Any] = {
-        "trainable": load_file(str(path / "trainable.safetensors")),
-        "optimizer": torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"),
-        "lr_scheduler": json.loads((path / "lr_scheduler.json").read_text()),
-        "trainer_state": json.loads((path / "trainer_state.json").read_text()),
-        "config": yaml.safe_load((path / "config.yaml").read_text()),
-        "ema": load_file(str(path / "ema.safetensors")) if (path / "ema.safetensors").exists() else None,
+        what = "has no trainer_state.json" if path.is_dir() else "is not a folder"
+        raise FileNotFoundError(f"checkpoint {str(path)!r} {what}; pass a checkpoints/step_XXXXXX folder")
+
+    def read_json(file: Path) -> Any:
+        return json.loads(file.read_text())
+
+    def read_optimizer(file: Path) -> Any:
+        return torch.load(file, weights_only=True, map_location="cpu")
+
+    def read_tensors(file: Path) -> dict[str, torch.Tensor]:
+        return load_file(str(file))
+
+    ema, rng = path / "ema.safetensors", path / f"rng_{process_index}.json"
+    return {
+        "trainer_state": _read_checkpoint_file(path / "trainer_state.json", read_json, dict),
+        "trainable": _read_checkpoint_file(path / "trainable.safetensors", read_tensors),
+        "optimizer": _read_checkpoint_file(path / "optimizer.pt", read_optimizer),
+        "lr_scheduler": _read_checkpoint_file(path / "lr_scheduler.json", read_json, dict),
+        "config": _read_checkpoint_file(path / "config.yaml", lambda f: yaml.safe_load(f.read_text()), dict),
+        "ema": _read_checkpoint_file(ema, read_tensors) if ema.exists() else None,
+        "rng": _read_checkpoint_file(rng, read_json, dict) if rng.exists() else None,
     }
-    rng = path / f"rng_{process_index}.json"
-    out["rng"] = json.loads(rng.read_text()) if rng.exists() else None
-    return out
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
@@ -169,17 +200,21 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
 
 
 def load_model_for_eval(cfg, checkpoint: str | Path):
-    """The run's model with a checkpoint's weights ('base': none), EMA weights when present and cfg.eval.use_ema."""
+    """(model, weights) for `flowrl eval`: the run's model with a checkpoint's weights, the EMA ones when the run
+    kept EMA, at least one EMA update happened and cfg.eval.use_ema; weights is "base", "ema" or "raw"."""
     from flowrl.models import load_flow_model
 
-    model = load_flow_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.device or "cpu")
+    m = cfg.model
+    model = load_flow_model(m.path, dtype=m.dtype, device=cfg.device or "cpu", max_sequence_length=m.max_sequence_length,
+                            mixed_precision=m.mixed_precision)
     if str(checkpoint) == "base":
-        return model
+        return model, "base"
     state = load_checkpoint(checkpoint)
-    if cfg.model.use_lora:
-        model.add_lora(rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha,
-                       target_modules=tuple(cfg.model.lora_target_modules) if cfg.model.lora_target_modules else None)
-    weights = state["ema"] if (cfg.eval.use_ema and state["ema"] is not None) else state["trainable"]
+    if m.use_lora:
+        model.add_lora(rank=m.lora_rank, alpha=m.lora_alpha,
+                       target_modules=tuple(m.lora_target_modules) if m.lora_target_modules else None)
+    use_ema = cfg.eval.use_ema and state["ema"] is not None and state["trainer_state"].get("ema_updates", 1) > 0
+    weights = state["ema"] if use_ema else state["trainable"]
     params = dict(model.transformer.named_parameters())
     missing = [k for k in weights if k not in params]
     if missing:
@@ -187,4 +222,51 @@ def load_model_for_eval(cfg, checkpoint: str | Path):
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value.to(params[name].dtype))
-    return model
+    return model, "ema" if use_ema else "raw"
+
+
+def save_training_state(accelerator, run_dir: str | Path, step: int, opt, ema, model, trainer_state: dict, config_yaml: str,
+                        keep_last: int = 2) -> Path:
+    """Any recipe's checkpoint: the OptimizerStep's tensors and counters, the EMA, the recipe's own state.
+
+    Whole tensors are gathered for the main process (a collective under FSDP2 / ZeRO-2, skipped by other
+    data-parallel processes). The exported `lora/` holds the EMA adapter when the run keeps EMA (the weights
+    the evaluation reports); `trainer_state.json` says which (`lora_weights`: "ema" or "raw").
+    """
+    from flowrl.distributed import full
+
+    gather = opt.sharding.kind is not None or accelerator.is_main_process
+    trainable, optimizer_state = opt.full_state(gather)
+    ema_tensors = {k: full(v) for k, v in ema.shadow.items()} if gather and ema is not None else None
+    exported = "ema" if ema is not None and ema.num_updates > 0 else "raw"
+    state = {**trainer_state, "optimizer": opt.state_dict(), "ema_updates": ema.num_updates if ema is not None else 0,
+             "lora_weights": exported}
+    return save_checkpoint(
+        accelerator, run_dir, step, trainable=trainable, optimizer_state=optimizer_state, lr_scheduler=opt.lr_scheduler,
+        trainer_state=state, config_yaml=config_yaml, ema=ema_tensors, model=model, keep_last=keep_last,
+        lora_tensors=ema_tensors if exported == "ema" else None,
+    )
+
+
+def restore_training_state(path: str | Path, accelerator, opt, ema, config: dict) -> dict:
+    """Load a checkpoint into an OptimizerStep and EMA; returns the recipe's trainer state (step, counters).
+
+    Refuses a checkpoint written with another config (keys other than RESUMABLE_DIFFERENCES differ).
+    """
+    from flowrl.distributed import like
+
+    state = load_checkpoint(path, accelerator.process_index)
+    diff = config_differences(state["config"], config)
+    if diff:
+        raise ValueError(f"checkpoint {str(path)!r} comes from another config: keys {', '.join(diff[:6])} differ; "
+                         "resume with the config it was written with or start a new run name")
+    opt.load_full_state(state["trainable"], state["optimizer"], state["lr_scheduler"])
+    ts = state["trainer_state"]
+    opt.load_state_dict(ts["optimizer"])
+    if ema is not None and state["ema"] is not None:
+        for name, value in state["ema"].items():
+            ema.shadow[name] = like(value, ema.shadow[name])
+        ema.num_updates = int(ts.get("ema_updates", 0))
+    if state["rng"] is not None:
+        set_rng_state(state["rng"])
+    return ts

@@ -16,6 +16,8 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora", default=None, help="folder or .safetensors of a LoRA in the diffusers format")
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-images-per-prompt", type=int, default=1,
+                   help="N images per prompt with seeds SEED, SEED+1, ..., SEED+N-1 (the seed is in each file name)")
     p.add_argument("--num-steps", type=int, default=20)
     p.add_argument("--guidance-scale", type=float, default=None, help="default: the family's usual value")
     p.add_argument("--height", type=int, default=None)
@@ -24,25 +26,56 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sampler", choices=["ode", "sde"], default="ode")
     p.add_argument("--noise-level", type=float, default=0.7, help="SDE sampler noise level")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-sequence-length", type=int, default=None,
+                   help="text tokens per prompt (default: the pipeline's own; the toy model has a fixed length)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--out", required=True, help="output folder")
 
 
 def _run_sample(args: argparse.Namespace) -> int:
+    """One sampler call per seed over all prompts, so each file equals `flowrl sample --seed <its seed>` bit for bit."""
     import os
     import re
 
     import torch
+    from safetensors import SafetensorError, safe_open
 
     from flowrl import media
     from flowrl.models import load_flow_model
+    from flowrl.models.lora import WEIGHT_NAME
     from flowrl.registry import SAMPLERS
     from flowrl.types import PromptBatch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_flow_model(args.model, dtype=args.dtype, device=device)
+    # 0. Arguments that need no model: fail before loading one
+    num_images = args.num_images_per_prompt
+    if num_images < 1:
+        raise ValueError(f"--num-images-per-prompt={num_images} must be >= 1 (images per prompt, seeds --seed, --seed+1, ...)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} is a file, not a folder; pass a folder (created when missing)")
+    lora_file = None
     if args.lora:
-        model.load_lora(args.lora)
+        lora_file = os.path.join(args.lora, WEIGHT_NAME) if os.path.isdir(args.lora) else args.lora
+        if not os.path.isfile(lora_file):
+            is_dir = os.path.isdir(args.lora)
+            where = f"folder {args.lora!r} holds no {WEIGHT_NAME}" if is_dir else f"{args.lora!r} does not exist"
+            raise FileNotFoundError(f"--lora {where}; pass a folder written by save_lora (a checkpoint's lora/) "
+                                    "or its .safetensors file")
+        try:
+            with safe_open(lora_file, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"--lora file {lora_file!r} is not a readable .safetensors file ({err}); "
+                             f"pass the {WEIGHT_NAME} written by save_lora") from None
+    # 1. Model and sampler
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_flow_model(args.model, dtype=args.dtype, device=device, max_sequence_length=args.max_sequence_length)
+    if args.lora:
+        try:
+            model.load_lora(args.lora)
+        except (KeyError, RuntimeError) as err:  # peft / diffusers on an adapter made for another model
+            detail = " ".join(str(err).split())[:120]
+            raise ValueError(f"--lora {lora_file!r} does not fit the {model.family} model {args.model!r} "
+                             f"({type(err).__name__}: {detail}); pass a LoRA trained on this model") from None
     default_h, default_w, default_f = model.native_size
     height, width, num_frames = args.height or default_h, args.width or default_w, args.num_frames or default_f
     options = dict(num_steps=args.num_steps, height=height, width=width, num_frames=num_frames,
@@ -50,17 +83,21 @@ def _run_sample(args: argparse.Namespace) -> int:
     if args.sampler == "sde":
         options["noise_level"] = args.noise_level
     sampler = SAMPLERS.get(args.sampler)(**options)
-    prompts = args.prompt
-    batch = PromptBatch(prompts, torch.arange(len(prompts)), seeds=torch.full((len(prompts),), args.seed))
-    rollout = sampler(model, batch)
+    # 2. Sample: seeds S, S+1, ..., S+N-1 for every prompt (diffusers' num_images_per_prompt with one
+    #    Generator().manual_seed(S+i) per image); one call per seed keeps each image's batch what `--seed S+i` gives
+    prompts = list(args.prompt)
     os.makedirs(args.out, exist_ok=True)
-    for i, (prompt, media_tensor) in enumerate(zip(prompts, rollout.images)):
-        stem = os.path.join(args.out, f"{i:03d}_seed{args.seed}_" + re.sub(r"[^a-zA-Z0-9]+", "_", prompt)[:48].strip("_"))
-        if model.is_video:
-            print(media.save_video(media_tensor, stem))
-            print(media.save_strip(media_tensor, stem + "_strip.png"))
-        else:
-            print(media.save_image(media_tensor, stem + ".png"))
+    for seed in range(args.seed, args.seed + num_images):
+        batch = PromptBatch(prompts, torch.arange(len(prompts)), seeds=torch.full((len(prompts),), seed))
+        rollout = sampler(model, batch)
+        for i, (prompt, media_tensor) in enumerate(zip(prompts, rollout.images)):
+            slug = re.sub(r"[^a-zA-Z0-9]+", "_", prompt)[:48].strip("_")
+            stem = os.path.join(args.out, f"{i:03d}_seed{seed}_{slug}")
+            if model.is_video:
+                print(media.save_video(media_tensor, stem))
+                print(media.save_strip(media_tensor, stem + "_strip.png"))
+            else:
+                print(media.save_image(media_tensor, stem + ".png"))
     return 0
 
 
@@ -85,11 +122,9 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def run_training(config: str, overrides: list[str]) -> int:
     """Load a config and run its trainer in this process (under `accelerate launch`, in each process)."""
-    from flowrl.config import load_config
-    from flowrl.trainers.grpo import GRPOTrainer
+    from flowrl.trainers import build_trainer, load_config
 
-    cfg = load_config(config, overrides)
-    GRPOTrainer(cfg).train()
+    build_trainer(load_config(config, overrides)).train()
     return 0
 
 
@@ -136,12 +171,33 @@ def _parse_sets(pairs: list[str] | None) -> dict:
 
 
 def _build_reward(name: str, pairs: list[str] | None, device: str | None, dtype: str):
+    """The reward `name` built with `--set` pairs; a setting its constructor lacks (or misses) is a one-line error."""
+    import difflib
+    import inspect
+
     import torch
 
     from flowrl.registry import REWARDS
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return REWARDS.build(name, device=device, dtype=getattr(torch, dtype), **_parse_sets(pairs))
+    cls = REWARDS.get(name)
+    kwargs = _parse_sets(pairs)
+    for key in ("device", "dtype"):
+        if key in kwargs:
+            raise ValueError(f"--set {key}=... is not a reward setting; pass --{key} {kwargs[key]} instead")
+    params = inspect.signature(cls).parameters
+    settings = [k for k, p in params.items() if k not in ("device", "dtype") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for key in kwargs:
+            if key not in params:
+                close = difflib.get_close_matches(key, settings, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"--set {key}=...: reward {name!r} has no setting {key!r}{hint}; "
+                                 f"its settings are {', '.join(settings) or 'none'}")
+    for key in settings:
+        if params[key].default is inspect.Parameter.empty and key not in kwargs:
+            raise ValueError(f"reward {name!r} needs the setting {key!r}; pass --set {key}=VALUE")
+    return cls(device=device, dtype=getattr(torch, dtype), **kwargs)
 
 
 def _add_rewards(sub: argparse._SubParsersAction) -> None:
@@ -201,24 +257,33 @@ def _run_score(args: argparse.Namespace) -> int:
     import torch
 
     from flowrl import media
-    from flowrl.rewards.contract import nan_to_none, score_checked
+    from flowrl.registry import REWARDS
+    from flowrl.reward_contract import nan_to_none, score_checked
 
     prompts = args.prompt * len(args.files) if len(args.prompt) == 1 else args.prompt
     if len(prompts) != len(args.files):
-        raise ValueError(f"--prompt given {len(args.prompt)} times for {len(args.files)} files; give one prompt, or one per file")
-    reward = _build_reward(args.reward, args.set, args.device, args.dtype)
-    video = "image" not in reward.modalities or all(f.lower().endswith(media.VIDEO_SUFFIXES) or os.path.isdir(f) for f in args.files)
+        raise ValueError(f"--prompt given {len(args.prompt)} times for {len(args.files)} files; "
+                         "give one prompt, or one per file")
+    # the files are read before the reward loads its weights, so a bad file fails at once
+    modalities = REWARDS.get(args.reward).modalities
+    video = "image" not in modalities or all(f.lower().endswith(media.VIDEO_SUFFIXES) or os.path.isdir(f) for f in args.files)
+    if video and "video" not in modalities:
+        raise ValueError(f"file {args.files[0]!r} is a video or a folder of frames, but reward {args.reward!r} scores "
+                         f"{', '.join(modalities)} only; pass image files")
     images = media.load_videos(args.files) if video else media.load_images(args.files)
+    reward = _build_reward(args.reward, args.set, args.device, args.dtype)
     try:
         with torch.no_grad():
             out = score_checked(reward, images, prompts, [{} for _ in prompts])
     except (RuntimeError, ConnectionError) as err:  # a failing reward, named with the sample index; an unreachable remote
-        print(f"flowrl score: error: {err}", file=sys.stderr)
+        print(f"flowrl score: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     scores = nan_to_none(out.scores.cpu().tolist())
     if args.json:
         parts = {k: nan_to_none(v.float().cpu().tolist()) for k, v in out.parts.items()}
-        print(json.dumps([{"file": f, "score": s, **{k: v[i] for k, v in parts.items()}} for i, (f, s) in enumerate(zip(args.files, scores))], indent=2))
+        rows = [{"file": f, "score": s, **{k: v[i] for k, v in parts.items()}}
+                for i, (f, s) in enumerate(zip(args.files, scores))]
+        print(json.dumps(rows, indent=2))
     else:
         for f, s in zip(args.files, scores):
             print(f"{'n/a' if s is None else f'{s:.6g}'}\t{f}")
@@ -237,7 +302,7 @@ def _add_serve_reward(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve_reward(args: argparse.Namespace) -> int:
-    from flowrl.rewards.reward_server import make_server
+    from flowrl.rewards._server import make_server
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
         print(f"flowrl serve-reward: warning: listening on {args.host} without --token", file=sys.stderr)
@@ -293,37 +358,17 @@ def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, s
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    """The trainer's evaluation (trainers/grpo.py RunEvaluator) on demand, for one checkpoint or the base model."""
+    """The trainer's evaluation (flowrl.evaluation.Evaluator) on demand, for one checkpoint or the base model."""
     from flowrl.checkpoint import load_model_for_eval
-    from flowrl.config import load_config, load_prompts
-    from flowrl.evaluation import evaluate
-    from flowrl.registry import REWARDS
-    from flowrl.samplers.ode import ODESampler
+    from flowrl.evaluation import Evaluator
+    from flowrl.trainers import load_config
 
     cfg = load_config(args.config, args.overrides or [])
-    e = cfg.eval
     out, step, label = _eval_out_dir(cfg, args.checkpoint, args.out)
-    if e.prompts or e.prompts_file or e.toy_split:
-        prompts = load_prompts(e.prompts, e.prompts_file, e.toy_split, "eval")
-    else:
-        prompts = load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data")
-    prompts = prompts[: e.num_prompts] if e.num_prompts else prompts
-    model = load_model_for_eval(cfg, args.checkpoint)
-    train_names = [spec.name for spec in cfg.rewards]
-    rewards = {spec.name: REWARDS.get(spec.name)(device=model.device, **spec.kwargs)
-               for spec in list(cfg.rewards) + list(e.gold_rewards)}
-    native_h, native_w, native_f = model.native_size
-    train_sampler = cfg.sampler.kwargs
-    sampler = ODESampler(
-        num_steps=e.num_steps, height=e.height or train_sampler.get("height") or native_h,
-        width=e.width or train_sampler.get("width") or native_w,
-        num_frames=e.num_frames or train_sampler.get("num_frames") or native_f,
-        guidance_scale=e.guidance_scale if e.guidance_scale is not None else train_sampler.get("guidance_scale"),
-        scheduler=e.scheduler,
-    )
-    model.transformer.eval()
-    result = evaluate(model, rewards, out, prompts=prompts, seeds=list(e.seeds), sampler=sampler,
-                      train_reward_names=train_names, step=step, label=label, batch_size=args.batch_size or e.batch_size)
+    model, weights = load_model_for_eval(cfg, args.checkpoint)
+    evaluator = Evaluator.from_config(cfg, model)
+    train_names = evaluator.train_reward_names
+    result = evaluator.run(out, step, label, weights=weights, batch_size=args.batch_size)
     for name, value in result["means"].items():
         kind = "train" if name in train_names else "gold"
         print(f"{name:<28} {kind:<5} {'n/a' if value is None else f'{value:.6g}'}")
@@ -380,9 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command][1](args)
     except (ValueError, FileNotFoundError, KeyError) as err:
-        # User-facing errors are one line: the field, the value and the fix.
+        # User-facing errors are one line: the field, the value and the fix (a library's multi-line text is joined).
         msg = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"flowrl {args.command}: error: {msg}", file=sys.stderr)
+        one_line = " ".join(line.strip() for line in str(msg).splitlines() if line.strip())
+        print(f"flowrl {args.command}: error: {one_line}", file=sys.stderr)
         return 2
 
 

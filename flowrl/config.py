@@ -43,6 +43,9 @@ class ModelConfig:
     use_gradient_checkpointing: bool = False
     init_lora: str | None = None
     """Start from this LoRA (diffusers format folder) instead of a fresh adapter."""
+    max_sequence_length: int | None = None
+    """Text tokens per prompt; None = the pipeline's default (SD3 256, FLUX 512, SANA 300, Wan 512; Flow-GRPO
+    trains SD3 with 128). The toy model has a fixed length."""
 
 
 @dataclass
@@ -131,7 +134,8 @@ class RunConfig:
     rewards: list[RewardConfig] = field(default_factory=list)
     balancer: ComponentConfig = field(default_factory=lambda: ComponentConfig("weighted_sum"))
     train: Any = None
-    """The trainer's own config dataclass (e.g. GRPOConfig), filled from the `train:` section."""
+    """The trainer's own config dataclass (e.g. GRPOConfig), filled from the `train:` section; `trainer`
+    names the recipe (flowrl.trainers.TRAINERS), which hands its config class to `build_config`."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -141,8 +145,6 @@ class RunConfig:
         return Path(self.output_dir) / self.name
 
 
-# trainer name -> its config dataclass
-TRAINER_CONFIGS = {"grpo": ("flowrl.trainers.grpo", "GRPOConfig")}
 _COMPONENT_SECTIONS = {"sampler": "SAMPLERS", "balancer": "BALANCERS"}
 
 
@@ -315,27 +317,37 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def build_config(data: dict) -> RunConfig:
-    import importlib
-
+def build_config(data: dict, train_config: type) -> RunConfig:
+    """A validated RunConfig from plain data; `train_config` is the recipe's config dataclass for `train:`."""
     data = dict(data or {})
     train = data.pop("train", None) or {}
     cfg = from_dict(RunConfig, data, "config")
-    if cfg.trainer not in TRAINER_CONFIGS:
-        raise ConfigError(f"trainer={cfg.trainer!r} is not one of {', '.join(TRAINER_CONFIGS)}")
-    module, cls_name = TRAINER_CONFIGS[cfg.trainer]
-    cfg.train = from_dict(getattr(importlib.import_module(module), cls_name), train, "train")
+    cfg.train = from_dict(train_config, train, "train")
     return validate(cfg)
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+def read_config_data(path: str | Path, overrides: list[str] | None = None) -> dict:
+    """The YAML mapping of a config file with `key=value` overrides applied; one-line errors for a missing file,
+    a file that is not YAML (file, line, column and the parser's complaint) or not a mapping."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist; pass a YAML file such as configs/toy/grpo.yaml")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML:{where}: {problem}; fix the file") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys at the top level")
-    return build_config(apply_overrides(data, list(overrides or [])))
+    return apply_overrides(data, list(overrides or []))
+
+
+def load_config(path: str | Path, overrides: list[str] | None, train_config: type) -> RunConfig:
+    return build_config(read_config_data(path, overrides), train_config)
 
 
 def to_dict(cfg: Any) -> Any:
@@ -372,23 +384,3 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
             out.update(flatten(v, f"{prefix}{i}."))
         return out
     return {prefix[:-1]: data}
-
-
-def load_prompts(prompts: list[str] | None, prompts_file: str | None, toy_split: str | None, where: str) -> list[str]:
-    """The prompt list of a data or eval section, checked non-empty."""
-    if prompts is not None:
-        out = [p for p in prompts if p.strip()]
-    elif prompts_file is not None:
-        path = Path(prompts_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"{where}.prompts_file={prompts_file!r} does not exist; give a text file with one prompt per line")
-        out = [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    elif toy_split is not None:
-        from flowrl.toy.world import split_prompts
-
-        out = split_prompts(toy_split)
-    else:
-        raise ConfigError(f"{where} needs one of prompts, prompts_file, toy_split")
-    if not out:
-        raise ConfigError(f"{where}: the prompt list is empty; add at least one prompt")
-    return out

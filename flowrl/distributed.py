@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
@@ -33,8 +34,12 @@ def make_accelerator(cfg):
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     trackers = [tr for tr in cfg.logging.trackers if tr != "wandb" or _installed("wandb")]
+    # flowrl runs autocast inside the model's velocity and scales fp16 losses itself (flowrl.optim), so
+    # accelerate's own mixed precision is only handed to the sharded engines (FSDP2 casts, DeepSpeed scales)
+    sharded = _env_flag("ACCELERATE_USE_FSDP") or _env_flag("ACCELERATE_USE_DEEPSPEED")
+    precision = {"fp32": "no"}.get(cfg.model.mixed_precision, cfg.model.mixed_precision) if sharded else "no"
     kwargs = dict(
-        mixed_precision={"fp32": "no"}.get(cfg.model.mixed_precision, cfg.model.mixed_precision), log_with=trackers or None,
+        mixed_precision=precision, log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir / "logs")),
     )
     cpu = cfg.device == "cpu"

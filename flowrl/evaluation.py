@@ -24,6 +24,7 @@ scores.json (format "flowrl.eval/1"); P prompts, S seeds, samples in prompt-majo
                     "per_prompt": [float | null] * P,   # mean pairwise distance of the prompt's S samples
                     "mean": float | null},              # null when S = 1
       "sampler": {"name": str, "num_steps": int, "guidance_scale": float | null, "scheduler": str, ...},
+      "weights": "base" | "raw" | "ema" | null,  # which weights were sampled (null: not stated by the caller)
       "environment": {"family": str, "device": str, "device_name": str, "dtype": str, "python": str,
                       "torch": str, "diffusers": str, "transformers": str, "flowrl": str},
       "time_s": float                            # wall time of sampling + scoring
@@ -42,21 +43,21 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from flowrl import media
+from flowrl.prompts import load_prompts
+from flowrl.reward_contract import nan_to_none, score_checked
+from flowrl.samplers.ode import ODESampler
+from flowrl.scoring import build_rewards
 from flowrl.types import FlowModel, PromptBatch, Reward
 
 SCORES_FORMAT = "flowrl.eval/1"
 DiversityFeatures = Callable[[torch.Tensor], torch.Tensor]  # images [M, 3, H, W] (video [M, F, 3, H, W]) -> [M, D]
-
-
-def step_dir_name(step: int | None) -> str:
-    """Folder name of one evaluation or checkpoint: 'step_000120'; None is the base model ('base')."""
-    return "base" if step is None else f"step_{int(step):06d}"
 
 
 def pixel_features(images: torch.Tensor) -> torch.Tensor:
@@ -136,14 +137,12 @@ def _check_inputs(model: FlowModel, rewards: dict[str, Reward], prompts: list[st
 def evaluate(model: FlowModel, rewards: dict[str, Reward], out_dir: str | os.PathLike, *, prompts: list[str],
              seeds: list[int], sampler: Any, train_reward_names: list[str], step: int, label: str,
              batch_size: int = 16, metadata: list[dict] | None = None,
-             diversity_features: DiversityFeatures | None = None) -> dict:
+             diversity_features: DiversityFeatures | None = None, weights: str | None = None) -> dict:
     """Sample every prompt x seed with `sampler`, score with every reward, write out_dir/scores.json + images.
 
     `rewards` holds training and gold rewards by name; those named in `train_reward_names` are the training
     ones, the rest are gold. Returns the scores.json dict (schema in the module docstring).
     """
-    from flowrl.rewards.contract import nan_to_none, score_checked
-
     _check_inputs(model, rewards, prompts, seeds, train_reward_names, batch_size, metadata)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -206,6 +205,7 @@ def evaluate(model: FlowModel, rewards: dict[str, Reward], out_dir: str | os.Pat
         "means": means,
         "diversity": {"space": space, "per_prompt": diversity, "mean": nanmean(diversity)},
         "sampler": _sampler_record(sampler),
+        "weights": weights,
         "environment": _environment(model),
         "time_s": round(time.perf_counter() - start, 4),
     }
@@ -213,3 +213,60 @@ def evaluate(model: FlowModel, rewards: dict[str, Reward], out_dir: str | os.Pat
     tmp.write_text(json.dumps(result, indent=1, default=str))
     os.replace(tmp, out / "scores.json")  # atomic: a crash never leaves half a scores.json
     return result
+
+
+class Evaluator:
+    """A run's fixed evaluation: eval prompts x eval seeds through the ODE sampler, training + gold rewards.
+
+    One object behind the in-training eval and `flowrl eval`, so both sample at the same sizes: height,
+    width, frames and guidance come from the `eval` section, else from the training sampler's config
+    (`sampler_defaults`, its YAML kwargs), else the model's native size and default guidance.
+    """
+
+    def __init__(self, model: FlowModel, rewards: dict[str, Reward], gold_rewards: dict[str, Reward], eval_cfg,
+                 sampler_defaults: dict, prompts: list[str]):
+        e, d = eval_cfg, sampler_defaults
+        self.model, self.cfg = model, e
+        self.train_reward_names = list(rewards)
+        overlap = sorted(set(rewards) & set(gold_rewards))
+        if overlap:
+            raise ValueError(f"eval.gold_rewards repeats the training reward(s) {overlap}; a gold reward must be another reward")
+        self.rewards = {**rewards, **gold_rewards}
+        self.prompts = prompts[: e.num_prompts] if e.num_prompts else list(prompts)
+        self.sampler = ODESampler(
+            num_steps=e.num_steps, height=e.height or d.get("height"), width=e.width or d.get("width"),
+            num_frames=e.num_frames or d.get("num_frames"),
+            guidance_scale=e.guidance_scale if e.guidance_scale is not None else d.get("guidance_scale"), scheduler=e.scheduler,
+        )
+
+    @classmethod
+    def from_config(cls, cfg, model: FlowModel, rewards: dict[str, Reward] | None = None) -> Evaluator:
+        """From a run config; `rewards` are the already-built training rewards (built here when None)."""
+        e = cfg.eval
+        if e.prompts or e.prompts_file or e.toy_split:
+            prompts = load_prompts(e.prompts, e.prompts_file, e.toy_split, "eval")
+        else:
+            prompts = load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data")
+        rewards = rewards if rewards is not None else build_rewards(cfg.rewards, model.device)
+        return cls(model, rewards, build_rewards(e.gold_rewards, model.device), e, dict(cfg.sampler.kwargs), prompts)
+
+    def run(self, out_dir: str | os.PathLike, step: int, label: str, weights: str | None = None,
+            batch_size: int | None = None) -> dict:
+        self.model.transformer.eval()
+        return evaluate(self.model, self.rewards, out_dir, prompts=self.prompts, seeds=list(self.cfg.seeds), sampler=self.sampler,
+                        train_reward_names=self.train_reward_names, step=step, label=label,
+                        batch_size=batch_size or self.cfg.batch_size, weights=weights)
+
+    def run_in_training(self, accelerator, every_process: bool, out_dir: Path, step: int, label: str, weights: str) -> dict | None:
+        """The in-training eval: the main process writes `out_dir`; with `every_process` (FSDP2 gathers weights
+        inside every forward) the other processes run it too, into a scratch folder. Returns the main's result."""
+        import tempfile
+
+        result = None
+        if accelerator.is_main_process:
+            result = self.run(out_dir, step, label, weights)
+        elif every_process:
+            with tempfile.TemporaryDirectory() as scratch:
+                self.run(Path(scratch) / label, step, label, weights)
+        accelerator.wait_for_everyone()
+        return result

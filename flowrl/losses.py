@@ -1,4 +1,4 @@
-"""Losses of the trainers, each a few lines over per-sample tensors (ALGORITHMS.md §0.5, §1.3)."""
+"""Losses of the trainers, each a few lines over per-sample tensors (docs/math.md#clipped-surrogate, #kl-to-the-reference)."""
 
 from __future__ import annotations
 

@@ -22,10 +22,16 @@ def _to_tensor(image: Image.Image) -> torch.Tensor:
 
 def load_image(path: str) -> torch.Tensor:
     """One image file as [3, H, W] float32 in [0, 1]."""
+    if os.path.isdir(path):
+        raise ValueError(f"image file {path!r} is a folder; pass PNG/JPEG files (a folder of frames is a video)")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"image file {path!r} does not exist; pass an existing PNG or JPEG")
-    with Image.open(path) as image:
-        return _to_tensor(image)
+    try:
+        with Image.open(path) as image:
+            return _to_tensor(image)
+    except OSError as err:  # PIL.UnidentifiedImageError (not an image), a truncated or unsupported file
+        raise ValueError(f"image file {path!r} is not a readable image ({' '.join(str(err).split())}); "
+                         f"pass a PNG or JPEG ({', '.join(IMAGE_SUFFIXES)})") from None
 
 
 def _stack(tensors: list[torch.Tensor], paths: list[str], what: str) -> torch.Tensor:

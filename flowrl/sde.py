@@ -1,22 +1,24 @@
 """Time, noise schedules, stochastic steps and Gaussian log-probs of flow-matching samplers.
 
 This module owns all sigma / timestep / log-prob arithmetic of flowrl (DESIGN.md principle 3); samplers
-loop over steps and call it, trainers re-score stored transitions with it. Conventions (ALGORITHMS.md
-§0.1): `x_σ = (1 − σ)·x0 + σ·ε`, σ = 1 is pure noise, σ = 0 is data, the model predicts the velocity
+loop over steps and call it, trainers re-score stored transitions with it. Conventions
+(docs/math.md#sigma-time-convention): `x_σ = (1 − σ)·x0 + σ·ε`, σ = 1 is pure noise, σ = 0 is data, the model predicts the velocity
 `v ≈ E[ε − x0 | x_σ]`, and a sampling grid runs `1 = σ_0 > σ_1 > … > σ_T = 0`. Every step and every
-log-prob is computed in float32, whatever the dtype of the network (Decision 9).
+log-prob is computed in float32, whatever the dtype of the network (docs/math.md#precision).
 
 Contents
   schedules      shift_sigmas, calculate_shift, scheduler_sigmas, timesteps_from_sigmas, dance_sigmas
   estimates      x0_from_velocity, noise_from_velocity
   steps          sde_std, sde_step (kinds "ode", "flow_grpo", "dance", "cps")
   divergence     gaussian_kl
+  re-scoring     StepRule, transition_stds, rescore_transition (what trainers call on stored transitions)
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -54,7 +56,7 @@ _SCHEDULER_CLASS = "FlowMatchEulerDiscreteScheduler"
 
 
 def shift_sigmas(sigmas: torch.Tensor | Sequence[float], shift: float) -> torch.Tensor:
-    """Static SD3 timestep shift `s·σ / (1 + (s − 1)·σ)` (ALGORITHMS.md §0.1), elementwise, float32.
+    """Static SD3 timestep shift `s·σ / (1 + (s − 1)·σ)` (docs/math.md#sigma-grids), elementwise, float32.
 
     `shift` > 1 moves the grid towards the noise end; shift(0) = 0 and shift(1) = 1 for any s > 0.
     """
@@ -139,7 +141,7 @@ def scheduler_sigmas(
     scheduler. Reproduced: the static shift, dynamic shifting (`use_dynamic_shifting`, `time_shift_type`
     "exponential" or "linear", which needs `mu`, e.g. `calculate_shift(image_seq_len)`), `shift_terminal`,
     and custom `sigmas` (FLUX pipelines pass `np.linspace(1, 1/T, T)`). Diffusers' default grid is spaced
-    linearly from 1 to shift(1/num_train_timesteps) and then shifted again (ALGORITHMS.md §0.1); with dynamic
+    linearly from 1 to shift(1/num_train_timesteps) and then shifted again (docs/math.md#sigma-grids); with dynamic
     shifting the spacing runs from 1 to 1/num_train_timesteps. Karras, exponential and beta sigmas raise a
     ValueError; keys that do not change sigmas (`_class_name` aside) are ignored.
 
@@ -210,7 +212,7 @@ def timesteps_from_sigmas(sigmas: torch.Tensor, num_train_timesteps: int = 1000)
 
 
 def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
-    """DanceGRPO / BranchGRPO grid [T+1]: `shift(linspace(1, 0, T+1); s)` in float32 (ALGORITHMS.md §0.1).
+    """DanceGRPO / BranchGRPO grid [T+1]: `shift(linspace(1, 0, T+1); s)` in float32 (docs/math.md#sigma-grids).
 
     s = 3 for FLUX, 5 for HunyuanVideo. Unlike diffusers' grid it is spaced over the whole [0, 1].
     """
@@ -220,7 +222,7 @@ def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Clean-sample and noise estimates (exact identities of the linear interpolant, §0.1)
+# Clean-sample and noise estimates (exact identities of the linear interpolant, docs/math.md#sigma-time-convention)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -297,14 +299,14 @@ def _per_sample(value: torch.Tensor, num_samples: int, device) -> torch.Tensor:
 
 
 def _step_coefficients(
-    sigma: torch.Tensor, sigma_next: torch.Tensor, kind: str, noise_level: torch.Tensor, sigma_max: float
+    sigma: torch.Tensor, sigma_next: torch.Tensor, kind: str, noise_level: torch.Tensor, first_step_threshold: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(std s_k, noise-estimate coefficient c_k) of one transition, broadcast over the inputs' shapes.
 
     Every kind's mean is written as the Euler step plus a correction along the noise estimate,
     `μ = x + Δ·v + c_k·ε̂`, with c_k = 0 exactly when the noise level is 0, so that a zero noise level
     reproduces Euler bit for bit:
-      flow_grpo  g² = a²·σ/(1 − σ̃), σ̃ = σ' where σ ≥ sigma_max else σ;  s = g·√h;  c = −g²h/(2σ)
+      flow_grpo  g² = a²·σ/(1 − σ̃), σ̃ = σ' where σ ≥ first_step_threshold else σ;  s = g·√h;  c = −g²h/(2σ)
       dance      g = η;                                                  s = η·√h;  c = −η²h/(2σ)
       cps        s = σ'·sin(aπ/2);  c = σ'·(cos(aπ/2) − 1) = −2σ'·sin²(aπ/4)
       ode        s = 0;  c = 0
@@ -316,8 +318,8 @@ def _step_coefficients(
     if kind == "ode":
         return zeros, zeros
     if kind == "flow_grpo":
-        # First-step rule (§1.2): at σ = 1 the denominator uses σ' instead, so that s_0 = a exactly.
-        sigma_tilde = torch.where(sigma >= sigma_max, sigma_next, sigma)
+        # First-step rule (docs/math.md#sde-steps): at σ = 1 the denominator uses σ' instead, so that s_0 = a exactly.
+        sigma_tilde = torch.where(sigma >= first_step_threshold, sigma_next, sigma)
         denominator = 1 - sigma_tilde
         denominator = torch.where(moving & (denominator > 0), denominator, torch.ones_like(denominator))
         ratio = torch.where(moving, sigma * h / denominator, torch.zeros_like(h))  # g²·h / a²
@@ -342,12 +344,12 @@ def sde_std(
     sigma_next: float | torch.Tensor,
     kind: str,
     noise_level: float | torch.Tensor,
-    sigma_max: float = 1.0,
+    first_step_threshold: float = 1.0,
 ) -> torch.Tensor:
     """Transition std s_k of one step (float32), elementwise over broadcastable inputs.
 
     E.g. `sde_std(sigmas[:-1], sigmas[1:], "flow_grpo", 0.7)` gives the [T] stds of a whole grid.
-    Formulas as in `sde_step`; `sigma_max` is the σ at and above which flow_grpo's first-step rule applies.
+    Formulas as in `sde_step`; `first_step_threshold` is the σ at and above which flow_grpo's first-step rule applies.
     """
     _check_kind(kind)
     _check_noise_level(noise_level, kind)
@@ -355,7 +357,7 @@ def sde_std(
     device = sigma.device
     sigma_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=device)
     noise_level = torch.as_tensor(noise_level, dtype=torch.float32, device=device)
-    std, _ = _step_coefficients(sigma, sigma_next, kind, noise_level, sigma_max)
+    std, _ = _step_coefficients(sigma, sigma_next, kind, noise_level, first_step_threshold)
     return std
 
 
@@ -380,15 +382,16 @@ def sde_step(
     *,
     reduce: str = "mean",
     log_prob_mode: str = "gaussian",
-    sigma_max: float = 1.0,
+    first_step_threshold: float = 1.0,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One transition x_σ → x_σ' of a flow sampler, with the log-density of the Gaussian it draws from.
 
     Args:
       v, x: velocity and current latents [N, ...], any float dtype; all arithmetic is float32.
       sigma, sigma_next: σ and σ' < σ, floats or per-sample Tensors [N] (tree and window samplers).
-      kind: "ode" (Euler, deterministic), "flow_grpo" (§1.2, g = a·√(σ/(1 − σ̃))), "dance" (§2.1, g ≡ η)
-        or "cps" (§1.8, coefficients-preserving). See `_step_coefficients` for the exact formulas.
+      kind: "ode" (Euler, deterministic), "flow_grpo" (g = a·√(σ/(1 − σ̃))), "dance" (g ≡ η)
+        or "cps" (coefficients-preserving); docs/math.md#sde-steps. See `_step_coefficients` for the exact formulas.
       noise_level: a (flow_grpo, cps) or η (dance), float or Tensor [N], >= 0 (cps: <= 1); 0 gives the
         Euler step exactly for every kind. CPU tensors are validated; tensors on an accelerator are not (no sync).
       prev_sample: None to sample `x' = μ + s·ξ`, ξ ~ N(0, I) in float32 (drawn for every kind but
@@ -399,8 +402,11 @@ def sde_step(
       reduce: "mean" (default, the reference codes' convention) or "sum" of the per-element log-density
         over all non-batch elements.
       log_prob_mode: "gaussian" (exact log-density, default) or "cps_sq", flow_grpo's CPS quirk
-        `−mean((x' − μ)²)` (kind "cps" only; Decision 1).
-      sigma_max: flow_grpo's first-step rule applies where σ >= sigma_max (σ̃ = σ').
+        `−mean((x' − μ)²)` (kind "cps" only; docs/math.md#log-probabilities).
+      first_step_threshold: flow_grpo's first-step rule applies where σ >= this value (σ̃ = σ' there). It is a
+        threshold on σ, not a substituted value: flow_grpo substitutes σ_1 for σ = 1 in g's denominator.
+      noise: ξ [N, ...] to use instead of drawing it (samplers that draw per sample only where that sample's
+        step is stochastic, so that a trajectory never depends on its batch-mates); ignored with prev_sample.
 
     Returns (prev_sample [N, ...], log_prob [N], mean [N, ...], std [N]), float32 on x's device (a given
     prev_sample comes back as it was). Scalars (floats, 0-dim tensors) for sigma, sigma_next and noise_level
@@ -434,7 +440,7 @@ def sde_step(
     sigma_next_t = _as_float32(sigma_next, "sigma_next", num_samples, device)  # [] or [N]
     noise_t = _as_float32(noise_level, "noise_level", num_samples, device)  # [] or [N]
 
-    std, coefficient = _step_coefficients(sigma_t, sigma_next_t, kind, noise_t, sigma_max)
+    std, coefficient = _step_coefficients(sigma_t, sigma_next_t, kind, noise_t, first_step_threshold)
     std = _per_sample(std, num_samples, device)  # [N]
 
     sigma_b = _batch_view(sigma_t, x.ndim)
@@ -449,8 +455,9 @@ def sde_step(
         if kind == "ode":
             prev_sample = mean
         else:
-            noise = _standard_normal(x.shape, generator, device)  # ξ [N, ...]
-            prev_sample = mean + std_b * noise
+            if noise is None:
+                noise = _standard_normal(x.shape, generator, device)  # ξ [N, ...]
+            prev_sample = mean + std_b * noise.float()
         target = prev_sample.detach()
     else:
         target = prev_sample.detach().float()
@@ -487,11 +494,11 @@ def gaussian_kl(
     dt: float | torch.Tensor | None = None,
     reduce: str | None = None,
 ) -> torch.Tensor:
-    """KL(N(mean, s²) || N(ref_mean, s²)) per sample [N] (float32), in one of two normalizations (§1.3).
+    """KL(N(mean, s²) || N(ref_mean, s²)) per sample [N] (float32), in one of two normalizations (docs/math.md#kl-to-the-reference).
 
     form="paper": `Σ_elements (μ − μ_ref)² / (2 s²)`, the true KL (s = the `std` returned by sde_step).
     form="code":  `mean_elements (μ − μ_ref)² / (2 g²)`, what flow_grpo computes and what the published β
-      values assume (Decision 2). g is the step's diffusion coefficient before the √dt factor:
+      values assume (docs/math.md#kl-to-the-reference). g is the step's diffusion coefficient before the √dt factor:
         * flow_grpo and dance steps: pass `dt = h = σ − σ'`, then g² = std²/dt;
         * cps steps (flow_grpo divides by its std directly): pass `dt=None`, then g = std.
     `dt` is ignored by the paper form. `reduce` ("mean" or "sum") overrides the form's own reduction
@@ -521,3 +528,70 @@ def gaussian_kl(
     positive = variance > 0
     safe_variance = torch.where(positive, variance, torch.ones_like(variance))
     return torch.where(positive, distance / (2 * safe_variance), torch.zeros_like(distance))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Re-scoring stored transitions (the trainer side of a rollout)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepRule:
+    """How a sampler drew its stochastic transitions; a Rollout records it so the trainer re-scores alike.
+
+    kind: the sde_step kind of the stochastic steps ("flow_grpo", "dance", "cps"; "ode" for none).
+    log_prob_mode: "gaussian" (exact) or "cps_sq" (flow_grpo's CPS quirk, kind "cps" only).
+    first_step_threshold: σ at and above which flow_grpo's first-step rule applies.
+    """
+
+    kind: str = "ode"
+    log_prob_mode: str = "gaussian"
+    first_step_threshold: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_kind(self.kind)
+        if self.log_prob_mode not in LOG_PROB_MODES:
+            raise ValueError(f"log_prob_mode={self.log_prob_mode!r} is unknown: use 'gaussian' or 'cps_sq'")
+        if self.log_prob_mode == "cps_sq" and self.kind != "cps":
+            raise ValueError(f"log_prob_mode='cps_sq' is flow_grpo's CPS quirk but kind={self.kind!r}: use 'gaussian'")
+
+    def step(self, v, x, sigma, sigma_next, noise_level, prev_sample=None, generator=None, noise=None):
+        """sde_step under this rule (see sde_step for arguments and returns)."""
+        return sde_step(v, x, sigma, sigma_next, self.kind, noise_level, prev_sample, generator,
+                        log_prob_mode=self.log_prob_mode, first_step_threshold=self.first_step_threshold, noise=noise)
+
+
+def transition_stds(rule: StepRule, sigmas: torch.Tensor, noise_levels: torch.Tensor) -> torch.Tensor:
+    """[N, T] std of every transition of a rollout (sigmas [T+1], noise_levels [N, T]); 0 = deterministic.
+
+    A transition is trainable exactly where its std is > 0: a zero noise level, the "ode" kind and the cps
+    step to σ' = 0 all have std 0, and their log-density is a point mass no policy gradient can use.
+    """
+    sigmas = sigmas.float().to(noise_levels.device)
+    return sde_std(sigmas[:-1][None], sigmas[1:][None], rule.kind, noise_levels.float(), rule.first_step_threshold)
+
+
+def rescore_transition(
+    rule: StepRule,
+    v: torch.Tensor,
+    x: torch.Tensor,
+    x_next: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    noise_level: torch.Tensor,
+    v_ref: torch.Tensor | None = None,
+    kl_form: str = "code",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob [N] of stored transitions x -> x_next under velocity v, and the KL [N] to v_ref's Gaussian.
+
+    The log-prob uses the rollout's own rule (so re-scoring with the rollout's weights gives the stored value
+    exactly); the KL (None without v_ref) is `gaussian_kl` in `kl_form`, with the diffusion coefficient the
+    kind defines: g² = s²/h for flow_grpo and dance (the code form divides by g², not s²), g = s for cps.
+    """
+    _, log_prob, mean, std = rule.step(v, x, sigma, sigma_next, noise_level, prev_sample=x_next)
+    if v_ref is None:
+        return log_prob, None
+    _, _, ref_mean, _ = rule.step(v_ref, x, sigma, sigma_next, noise_level, prev_sample=x_next)
+    dt = (torch.as_tensor(sigma, dtype=torch.float32) - torch.as_tensor(sigma_next, dtype=torch.float32)
+          if rule.kind in ("flow_grpo", "dance") else None)
+    return log_prob, gaussian_kl(mean, ref_mean, std, kl_form, dt=dt)

@@ -6,11 +6,14 @@ C/H/W latent or image channels/height/width, F video frames, L tokens, D embeddi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from flowrl.sde import StepRule, transition_stds
 
 # A conditioning is a flat dict of batch-first tensors (every value has N rows), e.g.
 # {"prompt_embeds": [N, L, D], "pooled_prompt_embeds": [N, D], "negative_prompt_embeds": [N, L, D], ...}.
@@ -34,23 +37,42 @@ class PromptBatch:
     prompts: list[str]  # [N]
     group_ids: torch.Tensor  # [N] int64; equal ids = same prompt group (may span processes)
     metadata: list[dict[str, Any]] = field(default_factory=list)  # [N] free-form per prompt (e.g. GenEval tags)
-    seeds: torch.Tensor | None = None  # [N] int64 initial-noise seeds (None: the sampler's generator decides)
+    seeds: torch.Tensor | None = None  # [N] int64 per-sample seeds (None: the sampler's generator decides)
+    global_index: torch.Tensor | None = None  # [N] int64 position of each sample in the step's global batch
+    group_seeds: torch.Tensor | None = None  # [N] int64 one seed per global group (shared initial noise)
 
     def __post_init__(self) -> None:
         if not self.metadata:
             self.metadata = [{} for _ in self.prompts]
         if len(self.prompts) == 0:
             raise ValueError("PromptBatch.prompts is empty: pass at least one prompt")
-        if len(self.group_ids) != len(self.prompts) or len(self.metadata) != len(self.prompts):
-            raise ValueError(
-                f"PromptBatch sizes disagree: prompts={len(self.prompts)} group_ids={len(self.group_ids)} "
-                f"metadata={len(self.metadata)}; give one entry per sample"
-            )
+        sizes = {"group_ids": len(self.group_ids), "metadata": len(self.metadata)}
+        for name in ("seeds", "global_index", "group_seeds"):
+            if getattr(self, name) is not None:
+                sizes[name] = len(getattr(self, name))
+        if any(n != len(self.prompts) for n in sizes.values()):
+            listed = " ".join(f"{k}={v}" for k, v in sizes.items())
+            raise ValueError(f"PromptBatch sizes disagree: prompts={len(self.prompts)} {listed}; give one entry per sample")
+
+    def select(self, rows: slice | torch.Tensor | list[int]) -> PromptBatch:
+        """The samples `rows` of this batch (a slice or indices), every field alike."""
+        index = list(range(len(self.prompts)))[rows] if isinstance(rows, slice) else [int(i) for i in rows]
+
+        def pick(t):
+            return None if t is None else t[index]
+
+        return PromptBatch([self.prompts[i] for i in index], self.group_ids[index], [self.metadata[i] for i in index],
+                           seeds=pick(self.seeds), global_index=pick(self.global_index), group_seeds=pick(self.group_seeds))
 
 
 @dataclass
 class Rollout:
-    """Everything a trainer needs to recompute log-probs of a batch of trajectories."""
+    """Everything a trainer needs to recompute log-probs of a batch of trajectories.
+
+    `rule` says how the stochastic steps were drawn and scored (kind, log-prob mode, first-step rule);
+    `transitions` is the flat table of trainable (sample, step) pairs: those whose Gaussian has std > 0.
+    A rollout of clean endpoints only (no trajectories) has an empty table.
+    """
 
     latents: torch.Tensor  # [N, T+1, *latent_shape] float32; latents[:, 0] is the initial noise
     log_probs: torch.Tensor  # [N, T] float32 behaviour log-prob of each transition (0 where deterministic)
@@ -60,10 +82,22 @@ class Rollout:
     prompts: list[str]  # [N]
     cond: Cond  # rows [N]: the encoded prompts (reused by the trainer's forward passes)
     noise_levels: torch.Tensor  # [N, T] float32 noise level used at each transition (0 = ODE step)
-    kind: str = "ode"  # sde_step kind used for stochastic transitions
+    rule: StepRule = field(default_factory=StepRule)  # how stochastic steps were drawn and scored
+    transitions: torch.Tensor | None = None  # [M, 2] int64 (sample, step) pairs with std > 0; None = derive
     guidance_scale: float = 1.0
     metadata: list[dict[str, Any]] = field(default_factory=list)  # [N]
     extras: dict[str, Any] = field(default_factory=dict)  # sampler-specific records (tree parents, previews...)
+
+    def __post_init__(self) -> None:
+        if self.transitions is None:
+            stds = transition_stds(self.rule, self.sigmas, self.noise_levels)  # [N, T]
+            self.transitions = (stds > 0).nonzero().to(torch.int64).cpu()  # [M, 2], sample-major
+        if not self.metadata:
+            self.metadata = [{} for _ in self.prompts]
+
+    @property
+    def kind(self) -> str:
+        return self.rule.kind
 
     @property
     def num_steps(self) -> int:
@@ -71,8 +105,53 @@ class Rollout:
 
     @property
     def train_mask(self) -> torch.Tensor:
-        """[N, T] bool: transitions that were stochastic (the only ones a policy-gradient step may train on)."""
-        return self.noise_levels > 0
+        """[N, T] bool: the trainable transitions of `transitions` as a mask."""
+        mask = torch.zeros(self.noise_levels.shape, dtype=torch.bool)
+        mask[self.transitions[:, 0], self.transitions[:, 1]] = True
+        return mask
+
+    @classmethod
+    def concat(cls, parts: list[Rollout]) -> Rollout:
+        """Rollouts of one sampler (same grid, rule, guidance) stacked along the samples; extras too.
+
+        An extra that is a tensor or list with one row per sample is concatenated; any other extra must be
+        equal in every part and is kept once.
+        """
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        for p in parts[1:]:
+            if p.rule != first.rule or p.guidance_scale != first.guidance_scale or not torch.equal(p.sigmas, first.sigmas):
+                raise ValueError("Rollout.concat: parts differ in step rule, guidance or sigma grid; concat one sampler's output")
+        offsets = [0]
+        for p in parts:
+            offsets.append(offsets[-1] + len(p.prompts))
+        transitions = torch.cat([p.transitions + torch.tensor([o, 0]) for p, o in zip(parts, offsets)])
+        extras = {}
+        for key, value in first.extras.items():
+            values = [p.extras.get(key) for p in parts]
+            rows = [len(p.prompts) for p in parts]
+            if isinstance(value, torch.Tensor) and all(isinstance(v, torch.Tensor) and len(v) == n for v, n in zip(values, rows)):
+                extras[key] = torch.cat(values)
+            elif isinstance(value, list) and all(isinstance(v, list) and len(v) == n for v, n in zip(values, rows)):
+                extras[key] = [x for v in values for x in v]
+            elif all(_same(v, value) for v in values):
+                extras[key] = value
+            else:
+                raise ValueError(f"Rollout.concat: extra {key!r} is neither per-sample nor equal in every part")
+        return cls(
+            latents=torch.cat([p.latents for p in parts]), log_probs=torch.cat([p.log_probs for p in parts]),
+            sigmas=first.sigmas, images=torch.cat([p.images for p in parts]), group_ids=torch.cat([p.group_ids for p in parts]),
+            prompts=[x for p in parts for x in p.prompts], cond=concat_cond([p.cond for p in parts]),
+            noise_levels=torch.cat([p.noise_levels for p in parts]), rule=first.rule, transitions=transitions,
+            guidance_scale=first.guidance_scale, metadata=[x for p in parts for x in p.metadata], extras=extras,
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    return a == b
 
 
 @dataclass
@@ -85,7 +164,7 @@ class RewardOutput:
 class FlowModel(Protocol):
     """A flow-matching generator behind one interface (models/<family>.py, models/toy.py).
 
-    Time convention (ALGORITHMS §0.1): x_sigma = (1 - sigma) x0 + sigma eps; velocity ~ eps - x0.
+    Time convention (docs/math.md#sigma-time-convention): x_sigma = (1 - sigma) x0 + sigma eps; velocity ~ eps - x0.
     """
 
     family: str  # "sd3", "flux", "sana", "wan", "toy"
@@ -135,5 +214,6 @@ ScoreFn = Callable[[torch.Tensor, list[str], list[dict[str, Any]]], torch.Tensor
 class Sampler(Protocol):
     def __call__(
         self, model: FlowModel, batch: PromptBatch, generator: torch.Generator | None = None,
-        score_fn: ScoreFn | None = None,
-    ) -> Rollout: ...
+        score_fn: ScoreFn | None = None, step: int = 0,
+    ) -> Rollout:
+        """`step` is the training step (samplers whose schedule moves with training read it)."""

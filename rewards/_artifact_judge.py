@@ -1,5 +1,5 @@
 """The artifact reward's VLM-judge backend: a transformers vision-language model from a local folder asked
-the ArtifactReward paper's yes/no question (ALGORITHMS.md §9.2); returns logp_yes - logp_no at the first
+the ArtifactReward paper's yes/no question (docs/rewards.md#artifact-reward); returns logp_yes - logp_no at the first
 answer token, where each side sums the probability of its case/space variants that are single tokens.
 """
 

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from flowrl.registry import REWARDS
+from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
 
-from .clip_backbone import read_state_dict, load_open_clip, normalized
-from .contract import check_inputs
+from ._clip_backbone import load_open_clip, normalized, read_state_dict
 
 WEIGHTS_URL = "https://github.com/christophschuhmann/improved-aesthetic-predictor (sac+logos+ava1-l14-linearMSE.pth)"
 

@@ -1,10 +1,10 @@
-"""Artifact reward (ALGORITHMS.md §9): a safeguard against reward hacking, reward = 1 - P(artifact).
+"""Artifact reward (docs/rewards.md#artifact-reward): a safeguard against reward hacking, reward = 1 - P(artifact).
 
 Two backends:
   classifier  a small CNN trained by `scripts/train_artifact_reward.py --data DIR` on `clean/` vs `artifact/`
               images, saved as one safetensors file whose metadata holds its config; differentiable.
   vlm         a vision-language judge from a local transformers folder answering a yes/no artifact question;
-              P(artifact) = sigmoid(logp_yes - logp_no) at the first answer token (see artifact_judge.py).
+              P(artifact) = sigmoid(logp_yes - logp_no) at the first answer token (see _artifact_judge.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from flowrl.registry import REWARDS
+from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
-
-from .contract import check_inputs
 
 FORMAT = "flowrl-artifact-classifier"
 
@@ -86,7 +85,7 @@ class ArtifactReward:
                 raise FileNotFoundError("artifact: checkpoint is not set; train one with `python scripts/train_artifact_reward.py --data DIR --out artifact.safetensors` and pass checkpoint=")
             self.model = load_artifact_classifier(checkpoint).to(self.device, dtype).eval().requires_grad_(False)
         elif backend == "vlm":
-            from .artifact_judge import VLMArtifactJudge
+            from ._artifact_judge import VLMArtifactJudge
 
             self.judge = VLMArtifactJudge(model_name, self.device, dtype, question=question)
             self.differentiable = False

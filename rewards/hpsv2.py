@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from flowrl.registry import REWARDS
+from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
 
-from .clip_backbone import load_open_clip, normalized
-from .contract import check_inputs
+from ._clip_backbone import load_open_clip, normalized
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from flowrl.registry import REWARDS
+from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
 
+from ._clip_backbone import ImagePreprocess
 from .aesthetic import build_aesthetic_head
-from .clip_backbone import ImagePreprocess
-from .contract import check_inputs
 
 REPO = "THUDM/ImageReward"
 REWARD_MEAN, REWARD_STD = 0.16717362830052426, 1.0333394966054072

@@ -13,9 +13,8 @@ import torch
 from PIL import Image
 
 from flowrl.registry import REWARDS
+from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
-
-from .contract import check_inputs
 
 
 def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:

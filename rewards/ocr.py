@@ -15,9 +15,8 @@ from typing import Any
 import torch
 
 from flowrl.registry import REWARDS
+from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
-
-from .contract import check_inputs
 
 QUOTED = re.compile(r"\"([^\"]+)\"|“([^”]+)”")
 
@@ -71,8 +70,9 @@ class OCRReward:
 
     def read(self, image: torch.Tensor) -> str:
         """Text in one [3, H, W] image; small images are upscaled so tesseract sees glyphs tall enough."""
-        from flowrl.media import to_uint8
         from PIL import Image
+
+        from flowrl.media import to_uint8
 
         pil = Image.fromarray(to_uint8(image).permute(1, 2, 0).cpu().numpy())
         if pil.height < self.min_height:

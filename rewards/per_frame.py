@@ -7,9 +7,8 @@ from typing import Any
 import torch
 
 from flowrl.registry import REWARDS
+from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
-
-from .contract import check_inputs
 
 
 @REWARDS.register("per_frame")

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 from flowrl.registry import REWARDS
+from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
 
-from .clip_backbone import ImagePreprocess, normalized
-from .contract import check_inputs
+from ._clip_backbone import ImagePreprocess, normalized
 
 
 def _from_local(cls: Any, name: str, what: str) -> Any:
@@ -29,7 +29,7 @@ def _from_local(cls: Any, name: str, what: str) -> Any:
 def _pixel_size(value: Any) -> int:
     if isinstance(value, dict):
         return int(value.get("shortest_edge") or value.get("height"))
-    return int(getattr(value, "shortest_edge", None) or getattr(value, "height"))
+    return int(getattr(value, "shortest_edge", None) or value.height)
 
 
 @REWARDS.register("pickscore")

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from flowrl.registry import REWARDS
+from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
 
-from .clip_backbone import load_open_clip, normalized
-from .contract import check_inputs
+from ._clip_backbone import load_open_clip, normalized
 
 
 @REWARDS.register("temporal_consistency")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flowrl import sde
 from flowrl.registry import SAMPLERS
 from flowrl.samplers.sde import integrate, start_rollout
 from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
@@ -21,8 +22,9 @@ from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
 @dataclass
 class ODESampler:
     num_steps: int = 20
-    height: int = 512
-    width: int = 512
+    height: int | None = None
+    """None = the model's native size (its pipeline's default)."""
+    width: int | None = None
     num_frames: int | None = None
     guidance_scale: float | None = None
     """CFG scale; None = the family's default."""
@@ -40,26 +42,26 @@ class ODESampler:
 
     @torch.no_grad()
     def __call__(self, model: FlowModel, batch: PromptBatch, generator: torch.Generator | None = None,
-                 score_fn: ScoreFn | None = None) -> Rollout:
+                 score_fn: ScoreFn | None = None, step: int = 0) -> Rollout:
         # 1. Prompts and 2. initial noise, one generator per sample (= the pipeline called with that seed)
-        guidance, cond, seeds, latents = start_rollout(self, model, batch, generator)
+        guidance, cond, seeds, latents, size = start_rollout(self, model, batch, generator)
         # 3-4. Denoising loop
         if self.scheduler == "pipeline":
-            trajectory, sigmas = self._pipeline_scheduler_loop(model, latents, cond, guidance)
+            trajectory, sigmas = self._pipeline_scheduler_loop(model, latents, cond, guidance, size)
         else:
-            sigmas = model.sigmas(self.num_steps, self.height, self.width, self.num_frames).to(model.device)  # [T+1]
+            sigmas = model.sigmas(self.num_steps, *size).to(model.device)  # [T+1]
             levels = torch.zeros(len(seeds), self.num_steps, device=model.device)  # [N, T]
-            trajectory, _ = integrate(model, latents, sigmas, cond, guidance, levels, "ode", None)
+            trajectory, _ = integrate(model, latents, sigmas, cond, guidance, levels, sde.StepRule("ode"), None)
         # 5. Decode
         images = model.decode(trajectory[:, -1]) if self.decode else torch.empty(0)
         n, t = len(seeds), trajectory.shape[1] - 1
         return Rollout(
             latents=trajectory, log_probs=torch.zeros(n, t), sigmas=sigmas.float().cpu(), images=images,
             group_ids=batch.group_ids, prompts=list(batch.prompts), cond=cond, noise_levels=torch.zeros(n, t),
-            kind="ode", guidance_scale=guidance, metadata=list(batch.metadata), extras={"seeds": seeds},
+            rule=sde.StepRule("ode"), guidance_scale=guidance, metadata=list(batch.metadata), extras={"seeds": seeds},
         )
 
-    def _pipeline_scheduler_loop(self, model, latents, cond, guidance):
+    def _pipeline_scheduler_loop(self, model, latents, cond, guidance, size):
         """Step with a fresh copy of the checkpoint's own scheduler (multistep solvers keep state)."""
         pipe = getattr(model, "pipe", None)
         if pipe is None:
@@ -71,11 +73,9 @@ class ODESampler:
         if custom is not None and "sigmas" in accepted:
             kwargs["sigmas"] = custom
         if scheduler.config.get("use_dynamic_shifting", False) and "mu" in accepted:
-            from flowrl import sde
-
             c = scheduler.config
             kwargs["mu"] = sde.calculate_shift(
-                model.image_seq_len(self.height, self.width, self.num_frames), c.get("base_image_seq_len", 256),
+                model.image_seq_len(*size), c.get("base_image_seq_len", 256),
                 c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15),
             )
         scheduler.set_timesteps(self.num_steps, device=model.device, **kwargs)

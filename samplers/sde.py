@@ -16,14 +16,8 @@ import torch
 
 from flowrl import sde
 from flowrl.registry import SAMPLERS
+from flowrl.seeds import NOISE_STREAM, sample_generators, window_start
 from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
-
-NOISE_STREAM = 1 << 32  # offset between a sample's latent seed and its step-noise seed
-
-
-def sample_generators(seeds: torch.Tensor, device: torch.device | str, offset: int = 0) -> list[torch.Generator]:
-    """One generator per sample, seeded with seed + offset (diffusers' convention for per-image seeds)."""
-    return [torch.Generator(device).manual_seed(int(s) + offset) for s in seeds.tolist()]
 
 
 def batch_seeds(batch: PromptBatch, generator: torch.Generator | None) -> torch.Tensor:
@@ -33,30 +27,43 @@ def batch_seeds(batch: PromptBatch, generator: torch.Generator | None) -> torch.
     return torch.randint(0, 2**31 - 1, (len(batch.prompts),), generator=generator, dtype=torch.int64)
 
 
-def latent_seeds(seeds: torch.Tensor, group_ids: torch.Tensor, same_latent: bool) -> torch.Tensor:
-    """Seeds of the initial noise: each sample's own, or its group's first seed (DanceGRPO's shared noise)."""
+def latent_seeds(batch: PromptBatch, seeds: torch.Tensor, same_latent: bool) -> torch.Tensor:
+    """Seeds of the initial noise [N]: each sample's own, or one per prompt group (DanceGRPO's shared noise).
+
+    The group's seed is `batch.group_seeds` (set by the grouped prompt sampler from the *global* group, so a
+    group split over rollout chunks or processes still shares one noise); a batch without group seeds (built
+    by hand) uses the smallest seed of each group within the batch.
+    """
     if not same_latent:
         return seeds
+    if batch.group_seeds is not None:
+        return batch.group_seeds.to(torch.int64).cpu()
     out = seeds.clone()
+    group_ids = batch.group_ids.cpu()
     for gid in group_ids.unique().tolist():
-        rows = (group_ids.cpu() == gid).nonzero().flatten()
+        rows = (group_ids == gid).nonzero().flatten()
         out[rows] = seeds[rows].min()
     return out
 
 
+def resolve_size(sampler, model: FlowModel) -> tuple[int, int, int | None]:
+    """(height, width, num_frames) of a sampler; None fields take the model's native size."""
+    native_h, native_w, native_f = model.native_size
+    return sampler.height or native_h, sampler.width or native_w, sampler.num_frames or native_f
+
+
 def start_rollout(sampler, model: FlowModel, batch: PromptBatch, generator: torch.Generator | None):
-    """Stages 1-2 shared by the samplers: guidance, encoded prompts, seeds [N] and initial noise [N, ...].
+    """Stages 1-2 shared by the samplers: guidance, encoded prompts, seeds [N], initial noise [N, ...] and size.
 
     The noise of a sample equals what the diffusers pipeline draws with `Generator().manual_seed(seed)`.
     """
     guidance = sampler.guidance_scale if sampler.guidance_scale is not None else model.default_guidance_scale
     cond = model.encode(batch.prompts, sampler.negative_prompt, guidance)
     seeds = batch_seeds(batch, generator)
-    init_seeds = latent_seeds(seeds, batch.group_ids, sampler.same_latent)
-    latents = model.prepare_latents(
-        len(seeds), sampler.height, sampler.width, sample_generators(init_seeds, model.device), sampler.num_frames
-    )
-    return guidance, cond, seeds, latents
+    size = resolve_size(sampler, model)
+    init_seeds = latent_seeds(batch, seeds, sampler.same_latent)
+    latents = model.prepare_latents(len(seeds), size[0], size[1], sample_generators(init_seeds, model.device), size[2])
+    return guidance, cond, seeds, latents, size
 
 
 def integrate(
@@ -66,24 +73,30 @@ def integrate(
     cond: dict,
     guidance_scale: float,
     noise_levels: torch.Tensor,
-    kind: str,
+    rule: sde.StepRule,
     generators: list[torch.Generator] | None,
-    log_prob_mode: str = "gaussian",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the T transitions; noise_levels [N, T] (0 = an Euler step). Returns (latents [N, T+1, ...], log_probs [N, T])."""
+    """Run the T transitions; noise_levels [N, T] (0 = an Euler step). Returns (latents [N, T+1, ...], log_probs [N, T]).
+
+    Step noise is drawn per sample, from that sample's generator, only at the sample's own stochastic
+    steps (std > 0): a trajectory never depends on which other samples share the batch.
+    """
     n, num_steps = noise_levels.shape
+    stds = sde.transition_stds(rule, sigmas, noise_levels).cpu()  # [N, T]
     trajectory = [latents.float()]
     log_probs = torch.zeros(n, num_steps, dtype=torch.float32, device=latents.device)  # [N, T]
     x = latents.float()
     for k in range(num_steps):
         v = model.velocity(x, sigmas[k], cond, guidance_scale)
-        level = noise_levels[:, k]
-        step_kind = kind if bool((level > 0).any()) else "ode"
-        x, log_prob, _, _ = sde.sde_step(
-            v, x, float(sigmas[k]), float(sigmas[k + 1]), step_kind, level, generator=generators,
-            log_prob_mode=log_prob_mode,
-        )
-        log_probs[:, k] = log_prob
+        stochastic = (stds[:, k] > 0).tolist()
+        if not any(stochastic):
+            x, _, _, _ = sde.sde_step(v, x, sigmas[k], sigmas[k + 1], "ode", 0.0)
+        else:
+            noise = torch.zeros_like(x)  # ξ [N, ...]; rows with std 0 keep zeros and draw nothing
+            for i in (i for i, s in enumerate(stochastic) if s):
+                noise[i] = torch.randn(x.shape[1:], generator=generators[i], device=x.device, dtype=torch.float32)
+            x, log_prob, _, _ = rule.step(v, x, sigmas[k], sigmas[k + 1], noise_levels[:, k], noise=noise)
+            log_probs[:, k] = log_prob
         trajectory.append(x)
     return torch.stack(trajectory, dim=1), log_probs
 
@@ -95,10 +108,11 @@ class SDESampler:
 
     num_steps: int = 10
     """Denoising steps T of a rollout (Flow-GRPO trains SD3.5 with 10, FLUX with 6)."""
-    height: int = 512
-    width: int = 512
+    height: int | None = None
+    """None = the model's native size (its pipeline's default)."""
+    width: int | None = None
     num_frames: int | None = None
-    """Video models only: frames per clip."""
+    """Video models only: frames per clip (None = the model's default)."""
     guidance_scale: float | None = None
     """CFG scale (FLUX: the guidance embedding); None = the family's default."""
     negative_prompt: str = ""
@@ -107,7 +121,7 @@ class SDESampler:
     noise_level: float = 0.7
     """a for flow_grpo/cps, η for dance."""
     log_prob_mode: str = "gaussian"
-    """'gaussian' (exact density) or 'cps_sq' (flow_grpo's CPS quirk, ALGORITHMS Decision 1)."""
+    """'gaussian' (exact density) or 'cps_sq' (flow_grpo's CPS quirk, offered for reproduction only)."""
     same_latent: bool = False
     """Share the initial noise within a prompt group (DanceGRPO)."""
     sde_window_size: int = 0
@@ -123,8 +137,6 @@ class SDESampler:
     sigma_shift: float = 3.0
     """Shift of the 'dance' grid."""
     decode: bool = True
-    step: int = 0
-    """Training step, set by the trainer (drives sliding windows)."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -133,6 +145,7 @@ class SDESampler:
             raise ValueError(f"noise_level={self.noise_level} must be >= 0")
         if self.kind not in sde.KINDS:
             raise ValueError(f"kind={self.kind!r} is not one of {', '.join(sde.KINDS)}")
+        self.rule = sde.StepRule(self.kind, self.log_prob_mode)
         if self.sde_window_mode not in ("random", "sliding"):
             raise ValueError(f"sde_window_mode={self.sde_window_mode!r} must be 'random' or 'sliding'")
         if self.sigma_schedule not in ("model", "dance"):
@@ -152,9 +165,9 @@ class SDESampler:
     def grid(self, model: FlowModel) -> torch.Tensor:
         if self.sigma_schedule == "dance":
             return sde.dance_sigmas(self.num_steps, self.sigma_shift)
-        return model.sigmas(self.num_steps, self.height, self.width, self.num_frames)
+        return model.sigmas(self.num_steps, *resolve_size(self, model))
 
-    def noise_levels(self, seeds: torch.Tensor) -> torch.Tensor:
+    def noise_levels(self, seeds: torch.Tensor, step: int = 0) -> torch.Tensor:
         """[N, T] noise level of each transition: the window's steps get `noise_level`, the rest 0 (Euler)."""
         n, t = len(seeds), self.num_steps
         levels = torch.zeros(n, t, dtype=torch.float32)  # [N, T]
@@ -167,12 +180,9 @@ class SDESampler:
         r0, r1 = self.window_range()
         w = self.sde_window_size
         if self.sde_window_mode == "sliding":
-            starts = torch.full((n,), r0 + (self.step // self.sde_window_shift_every_n_steps) % (r1 - w - r0 + 1))
+            starts = torch.full((n,), r0 + (step // self.sde_window_shift_every_n_steps) % (r1 - w - r0 + 1))
         else:
-            starts = torch.tensor([
-                int(torch.randint(r0, r1 - w + 1, (1,), generator=torch.Generator().manual_seed(int(s) + 2 * NOISE_STREAM)))
-                for s in seeds.tolist()
-            ])
+            starts = torch.tensor([window_start(s, r0, r1 - w) for s in seeds.tolist()])
         cols = torch.arange(t)
         inside = (cols[None] >= starts[:, None]) & (cols[None] < starts[:, None] + w)
         levels[inside] = self.noise_level
@@ -180,21 +190,19 @@ class SDESampler:
 
     @torch.no_grad()
     def __call__(self, model: FlowModel, batch: PromptBatch, generator: torch.Generator | None = None,
-                 score_fn: ScoreFn | None = None) -> Rollout:
+                 score_fn: ScoreFn | None = None, step: int = 0) -> Rollout:
         # 1. Prompts and 2. initial noise, one generator per sample
-        guidance, cond, seeds, latents = start_rollout(self, model, batch, generator)
+        guidance, cond, seeds, latents, _ = start_rollout(self, model, batch, generator)
         # 3. Time grid and per-transition noise levels
         sigmas = self.grid(model).to(model.device)  # [T+1]
-        levels = self.noise_levels(seeds).to(model.device)  # [N, T]
+        levels = self.noise_levels(seeds, step).to(model.device)  # [N, T]
         # 4. Denoising loop
         noise_generators = sample_generators(seeds, model.device, offset=NOISE_STREAM)
-        trajectory, log_probs = integrate(
-            model, latents, sigmas, cond, guidance, levels, self.kind, noise_generators, self.log_prob_mode
-        )
+        trajectory, log_probs = integrate(model, latents, sigmas, cond, guidance, levels, self.rule, noise_generators)
         # 5. Decode
         images = model.decode(trajectory[:, -1]) if self.decode else torch.empty(0)
         return Rollout(
             latents=trajectory, log_probs=log_probs, sigmas=sigmas.float(), images=images,
-            group_ids=batch.group_ids, prompts=list(batch.prompts), cond=cond, noise_levels=levels, kind=self.kind,
+            group_ids=batch.group_ids, prompts=list(batch.prompts), cond=cond, noise_levels=levels, rule=self.rule,
             guidance_scale=guidance, metadata=list(batch.metadata), extras={"seeds": seeds},
         )

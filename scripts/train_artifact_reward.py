@@ -52,7 +52,7 @@ def train(data: str, out: str, epochs: int = 20, batch_size: int = 32, lr: float
     val, train_idx = order[:num_val], order[num_val:]
     model = ArtifactCNN(image_size=image_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
-    for epoch in range(epochs):
+    for _ in range(epochs):
         model.train()
         perm = train_idx[torch.randperm(len(train_idx))]
         for start in range(0, len(perm), batch_size):

@@ -1,5 +1,5 @@
 """Tests of flowrl/sde.py against numbers computed independently: diffusers' scheduler, hand-written
-formulas of ALGORITHMS.md in float64, torch.distributions.Normal, and closed-form Gaussian marginals."""
+formulas of docs/math.md#sde-steps in float64, torch.distributions.Normal, and closed-form Gaussian marginals."""
 
 from __future__ import annotations
 
@@ -198,24 +198,24 @@ def test_clean_and_noise_estimates_invert_the_interpolant():
 # ------------------------------------------------------------------------------------------ steps
 
 
-def reference_step(x, v, sigma, sigma_next, kind, a, sigma_max=1.0):
-    """Mean and std of one transition in float64, written as ALGORITHMS.md writes them (not as sde.py does)."""
+def reference_step(x, v, sigma, sigma_next, kind, a, first_step_threshold=1.0):
+    """Mean and std of one transition in float64, written as docs/math.md#sde-steps writes them (not as sde.py does)."""
     x, v = x.double(), v.double()
     sigma = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1, *[1] * (x.ndim - 1))
     sigma_next = torch.as_tensor(sigma_next, dtype=torch.float64).reshape(-1, *[1] * (x.ndim - 1))
     a = torch.as_tensor(a, dtype=torch.float64).reshape(-1, *[1] * (x.ndim - 1))
     dt = sigma_next - sigma
-    if kind == "flow_grpo":  # §1.2
-        sigma_tilde = torch.where(sigma >= sigma_max, sigma_next, sigma)
+    if kind == "flow_grpo":  # docs/math.md#sde-steps
+        sigma_tilde = torch.where(sigma >= first_step_threshold, sigma_next, sigma)
         g = a * torch.sqrt(sigma / (1 - sigma_tilde))
         mean = x * (1 + g**2 * dt / (2 * sigma)) + v * dt * (1 + g**2 * (1 - sigma) / (2 * sigma))
         std = g * torch.sqrt(-dt)
-    elif kind == "dance":  # §2.1, in DanceGRPO's score form
+    elif kind == "dance":  # DanceGRPO's score form (docs/math.md#sde-steps)
         x0_hat = x - sigma * v
         score = -(x - (1 - sigma) * x0_hat) / sigma**2
         mean = x + dt * v - 0.5 * a**2 * score * dt
         std = a * torch.sqrt(-dt)
-    else:  # §1.8 cps
+    else:  # cps (docs/math.md#sde-steps)
         std = sigma_next * torch.sin(a * math.pi / 2)
         x0_hat, noise_hat = x - sigma * v, x + (1 - sigma) * v
         mean = (1 - sigma_next) * x0_hat + torch.sqrt(sigma_next**2 - std**2) * noise_hat
@@ -257,8 +257,8 @@ def test_flow_grpo_first_step_std_equals_noise_level_exactly(grid, noise_level):
 
 def test_std_test_vectors_on_the_sd3_grid():
     sigmas = sd3_grid(10)
-    flow_grpo = [0.700, 0.743, 0.536, 0.446, 0.392, 0.353, 0.319, 0.282, 0.225, 0.0063]  # §1.2, a = 0.7
-    cps = [0.913, 0.869, 0.816, 0.752, 0.673, 0.573, 0.442, 0.264, 0.0085, 0.0]  # §1.8, a = 0.8
+    flow_grpo = [0.700, 0.743, 0.536, 0.446, 0.392, 0.353, 0.319, 0.282, 0.225, 0.0063]  # docs/math.md#test-vectors, a = 0.7
+    cps = [0.913, 0.869, 0.816, 0.752, 0.673, 0.573, 0.442, 0.264, 0.0085, 0.0]  # docs/math.md#test-vectors, a = 0.8
     ours = sde.sde_std(sigmas[:-1], sigmas[1:], "flow_grpo", 0.7)
     assert torch.allclose(ours, torch.tensor(flow_grpo), atol=6e-4, rtol=0)
     assert torch.allclose(sde.sde_std(sigmas[:-1], sigmas[1:], "cps", 0.8), torch.tensor(cps), atol=6e-4, rtol=0)
@@ -533,7 +533,7 @@ def test_code_kl_by_its_definition():
     ref_mean = torch.randn(4, 2, 5, generator=generator)
     sigma, sigma_next, a = 0.6, 0.45, 0.7
     std = sde.sde_std(sigma, sigma_next, "flow_grpo", a)
-    g_squared = a**2 * sigma / (1 - sigma)  # §1.2, straight from the formula
+    g_squared = a**2 * sigma / (1 - sigma)  # docs/math.md#sde-steps, straight from the formula
     expected = ((mean - ref_mean) ** 2).mean(dim=(1, 2)) / (2 * g_squared)
     assert torch.allclose(sde.gaussian_kl(mean, ref_mean, std, "code", dt=sigma - sigma_next), expected, rtol=1e-5)
     # cps: flow_grpo divides by its std directly.

@@ -32,16 +32,54 @@ def _looks_like_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
-def load_flow_model(path_or_hub_id: str, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu", **kwargs):
+def load_flow_model(path_or_hub_id: str, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    max_sequence_length: int | None = None, mixed_precision: str = "fp32", **kwargs):
     """Load a FlowModel: 'toy' (the shipped Shapes model), a local diffusers folder, or a hub id.
 
     A local folder never touches the network; a hub id downloads only because the user named one.
+    `max_sequence_length` (None: the pipeline's default) sets the text tokens per prompt; `mixed_precision`
+    (fp32, bf16, fp16) the autocast every `velocity` call runs under.
     """
+    model = _load(path_or_hub_id, parse_dtype(dtype), device, **kwargs)
+    if max_sequence_length is not None:
+        if not hasattr(model, "set_max_sequence_length"):
+            raise ValueError(f"model.max_sequence_length={max_sequence_length}: the {model.family} model has a fixed prompt "
+                             "length; leave it unset")
+        model.set_max_sequence_length(max_sequence_length)
+    model.set_mixed_precision(mixed_precision)
+    return model
+
+
+def build_policy(model_cfg, device: str | torch.device):
+    """The model a recipe trains, from its `model:` config section: loaded, autocast set, the adapter added (or
+    loaded from `init_lora`), gradient checkpointing on request, trained weights in float32 (frozen parts keep
+    `model.dtype`). Call after seeding: a fresh adapter's initial weights come from the global RNG."""
+    m = model_cfg
+    model = load_flow_model(m.path, dtype=m.dtype, device=device, max_sequence_length=m.max_sequence_length,
+                            mixed_precision=m.mixed_precision)
+    if m.use_lora:
+        if m.init_lora:
+            model.load_lora(m.init_lora)
+            for name, p in model.transformer.named_parameters():
+                p.requires_grad_("lora_" in name)
+        else:
+            targets = tuple(m.lora_target_modules) if m.lora_target_modules else None
+            model.add_lora(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets)
+    else:
+        model.transformer.requires_grad_(True)
+    if m.use_gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    for p in model.transformer.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
+
+
+def _load(path_or_hub_id: str, dtype: torch.dtype, device, **kwargs):
     import importlib
 
     from diffusers import DiffusionPipeline
 
-    dtype = parse_dtype(dtype)
     if path_or_hub_id == "toy":
         from flowrl.models.toy import load_toy_model
 

@@ -17,6 +17,7 @@ from flowrl.types import Cond
 class FluxFlowModel(PipelineFlowModel):
     family = "flux"
     pipeline_classes = ("FluxPipeline",)
+    max_sequence_length = 512  # the pipeline's default
     default_guidance_scale = 3.5
     lora_target_modules = JOINT_ATTENTION_TARGETS
 
@@ -29,7 +30,7 @@ class FluxFlowModel(PipelineFlowModel):
 
     def _encode_batch(self, prompts: list[str], negative_prompt: str | None) -> Cond:
         embeds, pooled, _text_ids = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, device=self.device, num_images_per_prompt=1, max_sequence_length=512,
+            prompt=prompts, prompt_2=None, device=self.device, num_images_per_prompt=1, max_sequence_length=self.max_sequence_length,
         )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # [N, L, D], [N, P]
 

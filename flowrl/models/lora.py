@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -103,7 +104,7 @@ class LoRAMixin:
         self.transformer.add_adapter(self._lora_config, adapter_name=adapter_name)
         state = {k.removeprefix("transformer."): v for k, v in load_file(str(file)).items()}
         set_peft_model_state_dict(self.transformer, state, adapter_name=adapter_name)
-        for name, param in self.transformer.named_parameters():
+        for param in self.transformer.parameters():
             param.requires_grad_(False)
 
     @contextlib.contextmanager

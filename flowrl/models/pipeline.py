@@ -13,23 +13,25 @@ from typing import Any
 import torch
 
 from flowrl.models.lora import LoRAMixin
+from flowrl.models.precision import AutocastMixin
 from flowrl.types import Cond, concat_cond
 
 
-class PipelineFlowModel(LoRAMixin):
+class PipelineFlowModel(LoRAMixin, AutocastMixin):
     """FlowModel over a loaded diffusers pipeline (see flowrl.types.FlowModel for the contract)."""
 
     family: str = ""
     is_video: bool = False
     pipeline_classes: tuple[str, ...] = ()  # diffusers pipeline class names this adapter accepts
     default_guidance_scale: float = 1.0
+    max_sequence_length: int = 512  # text tokens per prompt; each family states its pipeline's default
 
     def __init__(self, pipe: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.pipe = pipe
         self.device = torch.device(device)
         self.dtype = dtype
         self.transformer = pipe.transformer
-        for name, component in pipe.components.items():
+        for component in pipe.components.values():
             if isinstance(component, torch.nn.Module):
                 component.eval()
                 component.requires_grad_(False)
@@ -50,6 +52,13 @@ class PipelineFlowModel(LoRAMixin):
         for prompt in dict.fromkeys(p for p in prompts if (p, negative) not in self._cache):
             self._cache[(prompt, negative)] = self._encode_batch([prompt], negative)
         return concat_cond([self._cache[(p, negative)] for p in prompts])
+
+    def set_max_sequence_length(self, length: int) -> None:
+        """Text tokens per prompt (the pipelines' `max_sequence_length`); clears the prompt cache."""
+        if not isinstance(length, int) or length < 1:
+            raise ValueError(f"model.max_sequence_length={length!r} must be a positive whole number (e.g. 128)")
+        self.max_sequence_length = length
+        self._cache.clear()
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Whether `guidance_scale` means true classifier-free guidance (two branches) for this family."""
@@ -120,7 +129,8 @@ class PipelineFlowModel(LoRAMixin):
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
         if sigma.ndim == 0:
             sigma = sigma.expand(latents.shape[0])
-        return self._velocity(latents.to(self.transformer.dtype), sigma, cond, guidance_scale).float()
+        with self.autocast():
+            return self._velocity(latents.to(self.transformer.dtype), sigma, cond, guidance_scale).float()
 
     def _velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance_scale: float) -> torch.Tensor:
         raise NotImplementedError

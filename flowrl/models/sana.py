@@ -17,6 +17,7 @@ from flowrl.types import Cond
 class SanaFlowModel(PipelineFlowModel):
     family = "sana"
     pipeline_classes = ("SanaPipeline",)
+    max_sequence_length = 300  # the pipeline's default
     default_guidance_scale = 4.5
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
 
@@ -35,7 +36,7 @@ class SanaFlowModel(PipelineFlowModel):
         cfg = negative_prompt is not None
         embeds, mask, neg_embeds, neg_mask = self.pipe.encode_prompt(
             prompts, cfg, negative_prompt=negative_prompt or "", num_images_per_prompt=1, device=self.device,
-            clean_caption=False, max_sequence_length=300, complex_human_instruction=self.complex_human_instruction,
+            clean_caption=False, max_sequence_length=self.max_sequence_length, complex_human_instruction=self.complex_human_instruction,
         )
         cond = {"prompt_embeds": embeds, "prompt_attention_mask": mask}  # [N, L, D], [N, L]
         if cfg:

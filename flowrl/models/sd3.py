@@ -12,6 +12,7 @@ from flowrl.types import Cond
 class SD3FlowModel(PipelineFlowModel):
     family = "sd3"
     pipeline_classes = ("StableDiffusion3Pipeline",)
+    max_sequence_length = 256  # the pipeline's default
     default_guidance_scale = 4.5
     lora_target_modules = JOINT_ATTENTION_TARGETS
 
@@ -20,7 +21,7 @@ class SD3FlowModel(PipelineFlowModel):
         embeds, neg_embeds, pooled, neg_pooled = self.pipe.encode_prompt(
             prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
             do_classifier_free_guidance=cfg, negative_prompt=[negative_prompt] * len(prompts) if cfg else None,
-            max_sequence_length=256,
+            max_sequence_length=self.max_sequence_length,
         )
         cond = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # [N, L, D], [N, P]
         if cfg:
@@ -39,7 +40,7 @@ class SD3FlowModel(PipelineFlowModel):
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
             pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
         out = self.transformer(
-            hidden_states=latents, timestep=timestep.to(latents.dtype), encoder_hidden_states=embeds,
+            hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds,  # float32, as the pipeline
             pooled_projections=pooled, return_dict=False,
         )[0]
         if cfg:

@@ -1,1 +1,39 @@
-"""Trainers: one recipe per file."""
+"""Trainers: one recipe per file, composed from the shared components (DESIGN.md principle 1).
+
+`TRAINERS` maps a run config's `trainer:` key to its recipe class; each recipe class names its config
+dataclass (`config_class`), which fills the config's `train:` section. `flowrl train`, `flowrl demo`,
+`flowrl bench train` and `scripts/train.py` all go through `load_config` / `build_trainer` here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flowrl import config as run_config
+from flowrl.trainers.grpo import GRPOConfig, GRPOTrainer
+
+TRAINERS: dict[str, type] = {"grpo": GRPOTrainer}
+DEFAULT_TRAINER = "grpo"
+
+
+def trainer_class(name: str) -> type:
+    if name not in TRAINERS:
+        raise run_config.ConfigError(f"trainer={name!r} is not one of {', '.join(TRAINERS)}; set trainer: grpo (the default)")
+    return TRAINERS[name]
+
+
+def build_config(data: dict) -> run_config.RunConfig:
+    """A validated RunConfig from plain data, its `train:` section parsed by the named recipe's config class."""
+    name = (data or {}).get("trainer", DEFAULT_TRAINER)
+    return run_config.build_config(data, trainer_class(str(name)).config_class)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> run_config.RunConfig:
+    return build_config(run_config.read_config_data(path, overrides))
+
+
+def build_trainer(cfg: run_config.RunConfig, accelerator=None):
+    return trainer_class(cfg.trainer)(cfg, accelerator=accelerator)
+
+
+__all__ = ["TRAINERS", "GRPOConfig", "GRPOTrainer", "build_config", "build_trainer", "load_config", "trainer_class"]

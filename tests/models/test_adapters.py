@@ -16,9 +16,9 @@ PROMPTS = ["a red cat", "two blue dogs on a hill"]
 SEEDS = [3, 11]
 
 
-def pipeline_call(pipe, family, prompts, seeds, steps, guidance, output_type):
+def pipeline_call(pipe, family, prompts, seeds, steps, guidance, output_type, **extra):
     h, w, f = TINY_SIZES[family]
-    kwargs = {"num_frames": f} if f else {}
+    kwargs = {"num_frames": f, **extra} if f else dict(extra)
     if family == "sana":
         kwargs["use_resolution_binning"] = False
     out = pipe(
@@ -46,7 +46,6 @@ def test_sigma_grid_equals_pipeline_scheduler(tiny_model, family, steps):
     kwargs = {}
     if family == "flux":  # what FluxPipeline hands its scheduler
         import numpy as np
-
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         seq = model.image_seq_len(h, w)
@@ -91,7 +90,8 @@ def test_ode_sampler_matches_pipeline(tiny_model, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_saved_by_flowrl_loads_into_pipeline(tiny_model, tiny_pipeline, family, tmp_path):
     model = tiny_model(family)
-    model.add_lora(rank=4, init_lora_weights=False)  # random up-projection: the adapter changes the output
+    # random up-projection (the adapter changes the output); alpha != rank as in the shipped configs (32 / 64)
+    model.add_lora(rank=4, alpha=8, init_lora_weights=False)
     sampler = ode(family, 3, 2.0, decode=False)
     with_lora = sampler(model, batch(PROMPTS[:1], SEEDS[:1])).latents[:, -1]
     with model.adapter_disabled():
@@ -179,3 +179,57 @@ def test_wan_frames_must_fit_temporal_factor(tiny_model):
 def test_empty_prompt_list(tiny_model):
     with pytest.raises(ValueError, match="prompts is empty"):
         tiny_model("sd3").encode([])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_max_sequence_length_equals_the_pipeline_called_with_it(tiny_pipeline, family):
+    """model.max_sequence_length=N samples what `pipe(..., max_sequence_length=N)` does, and N changes the text."""
+    default = load_flow_model(tiny_pipeline(family))
+    model = load_flow_model(tiny_pipeline(family), max_sequence_length=8)
+    assert model.max_sequence_length == 8 != default.max_sequence_length
+    short = model.encode(PROMPTS[1:])["prompt_embeds"]
+    assert short.shape[1] < default.encode(PROMPTS[1:])["prompt_embeds"].shape[1]
+    guidance = 4.5
+    final = ode(family, 3, guidance, decode=False)(model, batch(PROMPTS[1:], SEEDS[1:])).latents[:, -1]
+    reference = pipeline_call(model.pipe, family, PROMPTS[1:], SEEDS[1:], 3, guidance, "latent", max_sequence_length=8)
+    torch.testing.assert_close(final, reference, rtol=0, atol=1e-4)
+
+
+def test_toy_model_refuses_a_sequence_length():
+    with pytest.raises(ValueError, match="fixed prompt length"):
+        load_flow_model("toy", max_sequence_length=16)
+
+
+def test_sd3_passes_float32_timesteps_as_the_pipeline_does(tiny_pipeline):
+    """In bf16, sigma 0.70728 must reach the transformer as timestep 707.28 (float32), not bf16's 708."""
+    model = load_flow_model(tiny_pipeline("sd3"), dtype="bfloat16")
+    x = torch.randn(1, *model.latent_shape(32, 32), generator=torch.Generator().manual_seed(0))
+    cond = model.encode(PROMPTS[:1])
+    sigma = torch.tensor([0.70728])
+    with torch.no_grad():
+        v = model.velocity(x, sigma, cond, 1.0)
+
+        def call(timestep):
+            return model.transformer(hidden_states=x.bfloat16(), timestep=timestep, encoder_hidden_states=cond["prompt_embeds"],
+                                     pooled_projections=cond["pooled_prompt_embeds"], return_dict=False)[0].float()
+
+        float32 = call(sigma * 1000)
+        rounded = call((sigma * 1000).bfloat16())
+    torch.testing.assert_close(v, float32, rtol=0, atol=0)
+    assert (float32 - rounded).abs().max() > 0
+
+
+def test_sample_cli_max_sequence_length_equals_the_pipeline(tiny_pipeline, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from flowrl.cli import main
+
+    rc = main(["sample", "--model", tiny_pipeline("sd3"), "--prompt", PROMPTS[1], "--seed", str(SEEDS[1]), "--num-steps", "3",
+               "--guidance-scale", "4.5", "--height", "32", "--width", "32", "--max-sequence-length", "8", "--out", str(tmp_path)])
+    assert rc == 0
+    (png,) = tmp_path.glob("*.png")
+    pipe = DiffusionPipeline.from_pretrained(tiny_pipeline("sd3"))
+    image = pipeline_call(pipe, "sd3", PROMPTS[1:], SEEDS[1:], 3, 4.5, "pt", max_sequence_length=8)[0]
+    expected = (image * 255).round().clamp(0, 255).byte().permute(1, 2, 0).numpy()
+    assert np.abs(np.asarray(Image.open(png)).astype(int) - expected.astype(int)).max() <= 1  # uint8 rounding of 1e-4 differences

@@ -85,7 +85,13 @@ def test_classifier_file_roundtrip_and_formula(tmp_path):
 def build_tiny_llava(folder: Path) -> None:
     """A tiny random LLaVA (CLIP vision tower + Llama) with a word-level tokenizer and a chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast
+    from transformers import (
+        CLIPImageProcessor,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
 
     words = ["<unk>", "<pad>", "<s>", "</s>", "<image>", "USER:", "ASSISTANT:", "yes", "no", "Yes", "No", "YES", "NO", "is", "it", "broken?"]
     vocab = {w: i for i, w in enumerate(words)}

@@ -3,11 +3,10 @@ library's own (PIL) preprocessing and forward, and the published scoring formula
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from tiny_checkpoints import tiny_aesthetic_head, tiny_open_clip, tiny_pickscore
 from PIL import Image
+from tiny_checkpoints import tiny_aesthetic_head, tiny_open_clip, tiny_pickscore
 
 from flowrl.registry import REWARDS
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
-
 from tiny_checkpoints import VISION, WORDS, make_imagereward_files
 
 from flowrl.registry import REWARDS
+
 
 def _heads(x, n):  # [N, L, D] -> [N, n, L, D/n]
     return x.view(x.shape[0], x.shape[1], n, -1).transpose(1, 2)

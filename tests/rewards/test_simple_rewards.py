@@ -14,7 +14,7 @@ from PIL import Image, ImageDraw, ImageFont
 from flowrl import media
 from flowrl.cli import main
 from flowrl.registry import REWARDS
-from flowrl.rewards.contract import score_checked
+from flowrl.reward_contract import score_checked
 from flowrl.rewards.jpeg_compressibility import jpeg_sizes_kb
 from flowrl.rewards.ocr import edit_distance, quoted_text, text_similarity
 from flowrl.types import RewardOutput

@@ -54,7 +54,7 @@ def test_same_latent_shares_initial_noise_within_groups(model):
 
 
 def test_rescoring_with_same_weights_gives_ratio_exactly_one(model):
-    """ALGORITHMS §1.11: with the same weights and batch the recomputed log-prob equals the stored one."""
+    """docs/math.md#clipped-surrogate: with the same weights and batch the recomputed log-prob equals the stored one."""
     r = sampler(noise_level=0.7, num_steps=5)(model, make_batch())
     for k in range(r.num_steps):
         with torch.no_grad():
@@ -68,7 +68,7 @@ def test_rescoring_with_same_weights_gives_ratio_exactly_one(model):
 
 
 def test_stored_log_prob_is_the_gaussian_density_of_the_step(model):
-    """An independent density: torch.distributions.Normal around the §1.2 mean written out here."""
+    """An independent density: torch.distributions.Normal around the flow_grpo mean (docs/math.md#sde-steps) written out here."""
     r = sampler(noise_level=0.7, num_steps=4)(model, make_batch())
     k = 1
     sigma, sigma_next = float(r.sigmas[k]), float(r.sigmas[k + 1])
@@ -105,8 +105,7 @@ def test_sliding_window_moves_with_the_training_step(model):
                 sde_window_shift_every_n_steps=2, decode=False)
     starts = []
     for step in range(0, 10, 2):
-        s.step = step
-        starts.append(int(s.noise_levels(torch.tensor([1]))[0].nonzero()[0]))
+        starts.append(int(s.noise_levels(torch.tensor([1]), step)[0].nonzero()[0]))
     assert starts == [0, 1, 2, 3, 0]
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flowrl.config import load_config
-from flowrl.rewards.tiny import TINY_REWARDS
+from flowrl.rewards._tiny import TINY_REWARDS
+from flowrl.trainers import load_config
 from flowrl.trainers.grpo import GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,8 +68,8 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
         *frames,
     ])
     trainer = GRPOTrainer(cfg)
-    before = [p.detach().clone() for p in trainer.params]
+    before = [p.detach().clone() for p in trainer.opt.params]
     metrics = trainer.train_step()
     assert all(k in metrics for k in ("train/loss", "train/ratio_mean", f"reward/{cfg.rewards[0].name}/mean"))
     assert metrics["train/optimizer_steps"] == 2
-    assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.params))
+    assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.opt.params))

@@ -14,7 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from flowrl.checkpoint import FAULT_ENV
-from flowrl.config import load_config
+from flowrl.trainers import load_config
 from flowrl.trainers.grpo import GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,17 +97,36 @@ def test_sigkill_at_a_random_step_and_during_a_checkpoint_write_then_resume(tmp_
 
 @pytest.mark.slow
 def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
-    """Same global batch (B*G = 4) on 1 process and on 2 (2 samples each): weights agree after 2 steps."""
+    """The same global batch on 1 process and on 2 (launched through configs/accelerate/cpu_2proc.yaml): per-step
+    gradient norms and the final weights agree. One prompt group of 4 spans both processes and shares its initial
+    noise (same_latent), so the runs agree only if the shared seed comes from the global group."""
+    import json
+
     pipeline = tiny_pipeline("sd3")
-    extra = {"num_steps": 2, "checkpoint": {"every_n_steps": 0, "keep_last": 1}}
+    extra = {"num_steps": 2, "checkpoint": {"every_n_steps": 0, "keep_last": 1},
+             "data": {"prompts": ["a red cat", "a blue dog", "a green tree"], "num_prompts_per_step": 1, "group_size": 4}}
     one = write_config(tmp_path, pipeline, "one", **extra)
+    data = yaml.safe_load(one.read_text())
+    data["sampler"]["same_latent"] = True
+    one.write_text(yaml.safe_dump(data))
     GRPOTrainer(load_config(one)).train()
-    two = write_config(tmp_path, pipeline, "two", **extra)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
-           str(ROOT / "scripts" / "train.py"), "--config", str(two)]
+    two = tmp_path / "two.yaml"
+    two.write_text(yaml.safe_dump({**data, "name": "two"}))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"),
+           "--main_process_port", "29533", str(ROOT / "scripts" / "train.py"), "--config", str(two)]
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stderr[-3000:]
+    launch = json.loads((tmp_path / "runs" / "two" / "launch.json").read_text())
+    assert launch["num_processes"] == 2 and launch["sharding"] == "none"
+
+    def grad_norms(name):
+        lines = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["train/grad_norm"] for line in lines]
+
+    norms_one, norms_two = grad_norms("one"), grad_norms("two")
+    assert len(norms_one) == 2 and min(norms_one) > 0
+    for a, b in zip(norms_one, norms_two):  # Adam would hide a wrongly scaled gradient in the weights
+        assert abs(a - b) <= 1e-4 * a, (norms_one, norms_two)
     a = load_file(str(tmp_path / "runs" / "one" / "checkpoints" / "step_000002" / "trainable.safetensors"))
     b = load_file(str(tmp_path / "runs" / "two" / "checkpoints" / "step_000002" / "trainable.safetensors"))
     moved = max(float((a[k] - b[k]).abs().max()) for k in a)

@@ -12,11 +12,10 @@ import sys
 
 import pytest
 from safetensors.torch import load_file
-
-from flowrl.config import load_config
-from flowrl.trainers.grpo import GRPOTrainer
-
 from test_grpo_processes import ROOT, env, write_config
+
+from flowrl.trainers import load_config
+from flowrl.trainers.grpo import GRPOTrainer
 
 STEPS = 2
 TOLERANCE = 1e-5  # batch-size-dependent float32 numerics only (the data-parallel test's tolerance)

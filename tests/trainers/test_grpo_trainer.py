@@ -4,8 +4,9 @@ import pytest
 import torch
 import yaml
 
-from flowrl.config import ConfigError, build_config, load_config
+from flowrl.config import ConfigError
 from flowrl.registry import REWARDS
+from flowrl.trainers import build_config, load_config
 from flowrl.trainers.grpo import GRPOTrainer
 from flowrl.types import RewardOutput
 
@@ -66,9 +67,9 @@ def test_training_moves_the_adapter_and_logs(tmp_path, sd3):
     cfg = tiny_config(tmp_path, sd3, **{"train.num_minibatches": 2, "train.num_rollout_batches": 2,
                                         "train.use_async_rewards": True, "train.kl_coef": 0.01})
     trainer = GRPOTrainer(cfg)
-    before = [p.detach().clone() for p in trainer.params]
+    before = [p.detach().clone() for p in trainer.opt.params]
     out = trainer.train()
-    assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.params))
+    assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.opt.params))
     lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
     for key in ("train/loss", "train/kl", "train/clip_fraction", "train/approx_kl", "train/ratio_mean", "reward/jpeg_compressibility/mean",
@@ -117,11 +118,11 @@ def test_nan_means_not_applicable(tmp_path, sd3):
 
 def test_non_finite_loss_skips_then_stops(tmp_path, sd3):
     trainer = GRPOTrainer(tiny_config(tmp_path, sd3, **{"train.max_consecutive_nan_steps": 2}))
-    before = [p.detach().clone() for p in trainer.params]
-    trainer._optimizer_step(torch.tensor([float("nan")]))
-    assert trainer.counters["skipped_nan_steps"] == 1 and all(torch.equal(a, b) for a, b in zip(before, trainer.params))
+    before = [p.detach().clone() for p in trainer.opt.params]
+    trainer.opt.step(torch.tensor([float("nan")]))
+    assert trainer.opt.counters["skipped_nan_steps"] == 1 and all(torch.equal(a, b) for a, b in zip(before, trainer.opt.params))
     with pytest.raises(FloatingPointError, match="2 optimizer steps in a row"):
-        trainer._optimizer_step(torch.tensor([float("inf")]))
+        trainer.opt.step(torch.tensor([float("inf")]))
 
 
 # ---------------------------------------------------------------------------------------------- bad input

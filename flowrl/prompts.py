@@ -1,0 +1,80 @@
+"""Prompts are data: loading prompt lists, and the grouped sampler that turns them into each step's batch.
+
+    prompts = load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data")
+    sampler = GroupedPromptSampler(prompts, num_prompts_per_step=8, group_size=8, seed=0)
+    batch = sampler.local_batch(step, accelerator.process_index, accelerator.num_processes)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flowrl import seeds as seed_formulas
+from flowrl.types import PromptBatch
+
+
+def load_prompts(prompts: list[str] | None, prompts_file: str | None, toy_split: str | None, where: str) -> list[str]:
+    """The prompt list of a data or eval section, checked non-empty; `where` names the section in errors."""
+    if prompts is not None:
+        out = [p for p in prompts if p.strip()]
+    elif prompts_file is not None:
+        path = Path(prompts_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"{where}.prompts_file={prompts_file!r} does not exist; give a text file with one prompt per line")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{where}.prompts_file={prompts_file!r} is not UTF-8 text (byte {err.start}); "
+                             "give a text file with one prompt per line") from None
+        out = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    elif toy_split is not None:
+        from flowrl.toy.world import split_prompts
+
+        out = split_prompts(toy_split)
+    else:
+        raise ValueError(f"{where} needs one of prompts, prompts_file, toy_split")
+    if not out:
+        raise ValueError(f"{where}: the prompt list is empty; add at least one prompt")
+    return out
+
+
+class GroupedPromptSampler:
+    """The step's B prompts (epoch-wise shuffled, seeded) expanded to B*G samples with agreed seeds.
+
+    Everything is a function of (seed, step), so every process, and a resumed run, sees the same batch. The
+    global batch is prompt-major (sample j belongs to group j // G); each process takes a contiguous slice,
+    so a group may span processes unless `whole_groups` is set, which requires B to divide by the process
+    count and then keeps every group on one process (tree rollouts need their group together).
+    """
+
+    def __init__(self, prompts: list[str], num_prompts_per_step: int, group_size: int, seed: int, whole_groups: bool = False):
+        if not prompts:
+            raise ValueError("GroupedPromptSampler: the prompt list is empty; add at least one prompt")
+        self.prompts, self.b, self.g, self.seed = prompts, num_prompts_per_step, group_size, seed
+        self.whole_groups = whole_groups
+
+    def _prompt_index(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self.prompts))
+        return int(seed_formulas.prompt_order(self.seed, epoch, len(self.prompts))[offset])
+
+    def global_batch(self, step: int) -> PromptBatch:
+        indices = [self._prompt_index(step * self.b + i) for i in range(self.b)]
+        prompts = [self.prompts[i] for i in indices for _ in range(self.g)]  # [B*G]
+        group_ids = torch.arange(self.b).repeat_interleave(self.g)  # [B*G]
+        seeds = torch.tensor([seed_formulas.sample_seed(self.seed, step, j) for j in range(self.b * self.g)])  # [B*G]
+        group_seeds = seeds[group_ids * self.g]  # [B*G] the seed of each group's first sample
+        return PromptBatch(prompts, group_ids, [{} for _ in prompts], seeds=seeds,
+                           global_index=torch.arange(self.b * self.g), group_seeds=group_seeds)
+
+    def local_batch(self, step: int, process_index: int, num_processes: int) -> PromptBatch:
+        total = self.b * self.g
+        if total % num_processes:
+            raise ValueError(f"data.num_prompts_per_step * data.group_size = {total} does not divide across "
+                             f"{num_processes} processes; make it a multiple of {num_processes}")
+        if self.whole_groups and self.b % num_processes:
+            raise ValueError(f"data.num_prompts_per_step={self.b} does not divide across {num_processes} processes, "
+                             f"which keeping whole groups on one process needs; make it a multiple of {num_processes}")
+        n = total // num_processes
+        return self.global_batch(step).select(slice(process_index * n, (process_index + 1) * n))

@@ -1,0 +1,134 @@
+"""Reward scoring for every recipe: build the configured rewards, score chunks (optionally in a worker thread
+overlapping the next rollout chunk), apply the one reward-error policy, gather over processes.
+
+    scorer = Scorer(build_rewards(cfg.rewards, device), policy=cfg.on_reward_error, use_async=True)
+    scorer.submit(rollout.images, rollout.prompts, rollout.metadata, offset=0)   # per rollout chunk
+    local = scorer.collect()                                                     # Scores of this process
+    scores, failed, group_ids = gather_scores(accelerator, local, batch.group_ids)
+
+Policy (DESIGN.md "Contracts"): NaN is "not applicable" (the sample takes no part in that reward). An
+exception, a wrong length or an infinite score is an error: raised (`raise`), or, with `skip_sample`, only
+the samples that fail on their own are dropped (the chunk is re-scored sample by sample to find them); a
+dropped sample has NaN in every reward and `failed` set, and the trainer gives it no loss.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flowrl.registry import REWARDS
+from flowrl.reward_contract import check_scores, score_checked
+
+POLICIES = ("raise", "skip_sample")
+
+
+def build_rewards(specs, device) -> dict[str, Any]:
+    """{name: reward} from RewardConfig entries (name + constructor kwargs)."""
+    return {spec.name: REWARDS.get(spec.name)(device=device, **spec.kwargs) for spec in specs}
+
+
+@dataclass
+class Scores:
+    """One record of a scoring pass over n samples."""
+
+    scores: dict[str, torch.Tensor]  # {name: [n] float32 on the CPU}; NaN = not applicable or failed
+    failed: torch.Tensor  # [n] bool: dropped by the skip_sample policy
+    errors: dict[str, int] = field(default_factory=dict)  # failing samples per reward
+    seconds: float = 0.0  # wall time of the scoring calls
+
+    @classmethod
+    def concat(cls, parts: list[Scores]) -> Scores:
+        names = list(parts[0].scores)
+        errors = {name: sum(p.errors.get(name, 0) for p in parts) for name in names}
+        return cls({name: torch.cat([p.scores[name] for p in parts]) for name in names},
+                   torch.cat([p.failed for p in parts]), {k: v for k, v in errors.items() if v},
+                   sum(p.seconds for p in parts))
+
+
+def _score_each(reward, images, prompts, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample by sample: (scores [n] with NaN where it failed, failed [n] bool)."""
+    name = getattr(reward, "registry_name", type(reward).__name__)
+    values, failed = [], []
+    for i in range(len(prompts)):
+        try:
+            out = reward(images[i : i + 1], prompts[i : i + 1], metadata[i : i + 1])
+            value = check_scores(name, out.scores, 1).detach().float().cpu()[0]
+            failed.append(False)
+        except Exception:  # noqa: BLE001 - one policy for every reward failure
+            value = torch.tensor(float("nan"))
+            failed.append(True)
+        values.append(value)
+    return torch.stack(values), torch.tensor(failed)
+
+
+def score_batch(rewards: dict[str, Any], images: torch.Tensor, prompts: list[str], metadata: list[dict], policy: str,
+                offset: int = 0) -> Scores:
+    """Score one chunk with every reward under the error policy; `offset` places the chunk in error messages."""
+    if policy not in POLICIES:
+        raise ValueError(f"on_reward_error={policy!r} must be 'raise' or 'skip_sample'")
+    tic = time.perf_counter()
+    n = len(prompts)
+    out, errors, failed = {}, {}, torch.zeros(n, dtype=torch.bool)
+    for name, reward in rewards.items():
+        try:
+            out[name] = score_checked(reward, images, prompts, metadata).scores.detach().float().cpu()
+        except Exception as err:  # noqa: BLE001 - one policy for every reward failure
+            if policy == "raise":
+                raise RuntimeError(f"reward {name!r} failed on local samples {offset}..{offset + n - 1}: {err}") from err
+            out[name], bad = _score_each(reward, images, prompts, metadata)
+            errors[name] = int(bad.sum())
+            failed |= bad
+    for name in out:
+        out[name] = torch.where(failed, torch.full_like(out[name], float("nan")), out[name])
+    return Scores(out, failed, errors, time.perf_counter() - tic)
+
+
+class Scorer:
+    """Scores rollout chunks as they come; with `use_async` in one worker thread, overlapping the next chunk."""
+
+    def __init__(self, rewards: dict[str, Any], policy: str = "raise", use_async: bool = True):
+        if policy not in POLICIES:
+            raise ValueError(f"on_reward_error={policy!r} must be 'raise' or 'skip_sample'")
+        self.rewards, self.policy = rewards, policy
+        self._pool = ThreadPoolExecutor(max_workers=1) if use_async else None
+        self._pending: list[Future | Scores] = []
+
+    def submit(self, images: torch.Tensor, prompts: list[str], metadata: list[dict], offset: int = 0) -> None:
+        args = (self.rewards, images, prompts, metadata, self.policy, offset)
+        self._pending.append(self._pool.submit(score_batch, *args) if self._pool is not None else score_batch(*args))
+
+    def collect(self) -> Scores:
+        """The Scores of every chunk submitted since the last collect, in submission order."""
+        parts = [p.result() if isinstance(p, Future) else p for p in self._pending]
+        self._pending = []
+        return Scores.concat(parts)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def gather_scores(accelerator, local: Scores, group_ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, int]:
+    """All processes' scores in global order: ({name: [B*G]}, failed [B*G], group_ids [B*G], error count)."""
+    device = accelerator.device
+    scores = {name: accelerator.gather(s.to(device)).cpu() for name, s in local.scores.items()}
+    failed = accelerator.gather(local.failed.to(device, torch.uint8)).cpu().bool()  # gloo gathers no bool
+    groups = accelerator.gather(group_ids.to(device)).cpu()
+    errors = int(accelerator.gather(torch.tensor([sum(local.errors.values())], device=device)).sum())
+    return scores, failed, groups, errors
+
+
+def reward_metrics(scores: dict[str, torch.Tensor], failed: torch.Tensor) -> dict[str, float]:
+    """`reward/<name>/mean` and `/std` over the finite scores, and the dropped-sample count."""
+    metrics = {}
+    for name, s in scores.items():
+        finite = s[torch.isfinite(s)]
+        metrics[f"reward/{name}/mean"] = float(finite.mean()) if finite.numel() else float("nan")
+        metrics[f"reward/{name}/std"] = float(finite.std(unbiased=False)) if finite.numel() else float("nan")
+    metrics["reward/dropped_samples"] = float(failed.sum())
+    return metrics

@@ -1,0 +1,44 @@
+"""Every seed formula of flowrl, in one place (one owner: a change here changes every run's randomness).
+
+A run draws nothing from global RNG state that decides *what* it trains on: prompts, sample seeds, SDE
+windows, step noise and minibatch order are pure functions of (run seed, training step, position), so every
+process agrees on them and a resumed run repeats them exactly.
+
+A sample's three random streams hang off its own seed `s`:
+    initial noise      torch.Generator().manual_seed(s)           (the diffusers pipeline's latents for seed s)
+    step noise         manual_seed(s + NOISE_STREAM)
+    SDE window start   manual_seed(s + WINDOW_STREAM)
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_SEED = 2**31 - 1
+NOISE_STREAM = 1 << 32  # offset between a sample's latent seed and its step-noise seed
+WINDOW_STREAM = 2 * NOISE_STREAM  # offset of the seed that places a sample's SDE window
+
+
+def prompt_order(seed: int, epoch: int, num_prompts: int) -> torch.Tensor:
+    """[P] the order in which epoch `epoch` visits the prompt list."""
+    return torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+
+
+def sample_seed(seed: int, step: int, position: int) -> int:
+    """Seed of the sample at `position` of training step `step`'s global batch."""
+    return (seed * 1_000_003 + step * 100_003 + position) % MAX_SEED
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """CPU generator of a training step's own choices (minibatch order, shuffled timesteps)."""
+    return torch.Generator().manual_seed(seed * 31 + step)
+
+
+def sample_generators(seeds: torch.Tensor, device: torch.device | str, offset: int = 0) -> list[torch.Generator]:
+    """One generator per sample, seeded with seed + offset (diffusers' convention for per-image seeds)."""
+    return [torch.Generator(device).manual_seed(int(s) + offset) for s in seeds.tolist()]
+
+
+def window_start(seed: int, low: int, high: int) -> int:
+    """A sample's random SDE window start, uniform in [low, high]."""
+    return int(torch.randint(low, high + 1, (1,), generator=torch.Generator().manual_seed(int(seed) + WINDOW_STREAM)))

@@ -29,3 +29,14 @@ def tiny_model(tiny_pipeline):
     from flowrl.models import load_flow_model
 
     return lambda family: load_flow_model(tiny_pipeline(family))
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Toy-model tests run torch on one thread: on a shared 2-core machine two threads spin-wait (3-6x slower)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -2,12 +2,15 @@
 
 import pytest
 import torch
+from dotted import set_dotted
 
 from flowrl.prompts import GroupedPromptSampler
 from flowrl.registry import REWARDS, SAMPLERS
 from flowrl.trainers import build_config
 from flowrl.trainers.grpo import GRPOTrainer
 from flowrl.types import RewardOutput, Rollout
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 PROMPTS = ["two red circles", "one blue square", "three green triangles"]
 
@@ -23,12 +26,7 @@ def toy_config(tmp_path, **overrides):
         "train": {"learning_rate": 0.0, "clip_range": 1e-2, "use_async_rewards": False, "use_ema": False, "max_grad_norm": 1e9},
         "logging": {"trackers": [], "progress_bar": False},
     }
-    for key, value in overrides.items():
-        node = data
-        *path, last = key.split(".")
-        for k in path:
-            node = node.setdefault(k, {})
-        node[last] = value
+    set_dotted(data, overrides)
     return build_config(data)
 
 

@@ -10,6 +10,8 @@ import torch
 from flowrl.trainers import build_config
 from flowrl.trainers.grpo import GRPOTrainer
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
+
 A_NOISE, BETA, CLIP = 0.7, 0.3, 1e-3
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import yaml
+from dotted import set_dotted
 
 from flowrl.config import ConfigError
 from flowrl.registry import REWARDS
@@ -22,12 +23,7 @@ def tiny_config(tmp_path, pipeline, **overrides):
         "logging": {"trackers": [], "progress_bar": False},
         "eval": {"num_steps": 2, "seeds": [0]},
     }
-    for key, value in overrides.items():
-        node = data
-        *path, last = key.split(".")
-        for k in path:
-            node = node.setdefault(k, {})
-        node[last] = value
+    set_dotted(data, overrides)
     return build_config(data)
 
 

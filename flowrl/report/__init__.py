@@ -1,6 +1,7 @@
 """The report of a run folder: grid_<step>.png files and one self-contained index.html.
 
     flowrl report RUN_DIR [--compare RUN_DIR ...] [--out DIR] [--steps 100 200] [--hacking-margin 0.02]
+                  [--hacking-pair toy_exact=toy_attributes ...]
 
 Reads the run folder layout the trainer writes (config.yaml, metrics.jsonl, checkpoints/step_XXXXXX/,
 eval/base/ and eval/step_XXXXXX/ with scores.json from `flowrl.evaluation`) and writes to --out (default

@@ -205,7 +205,9 @@ def hacking_section(run: RunRecord, rows: list[dict[str, Any]], margin: float, p
             + " while a training reward rose.</p>"
         )
         if flagged
-        else "<p>No gold reward or diversity fell by more than the margin while a training reward rose.</p>"
+        else "<p>No gold reward or diversity fell by more than the margin while a training reward rose"
+        + (", and no paired gold reward gained more than the margin less than its training reward" if pairs else "")
+        + ".</p>"
     )
     plot = hacking_png(run, rows)
     img = f'<img class="plot" alt="hacking panel" src="{data_uri(plot, "image/png")}">' if plot else ""

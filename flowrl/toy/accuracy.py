@@ -1,9 +1,11 @@
-"""Attribute accuracy of a toy model: sample every prompt of a split at fixed seeds, let the judge read them.
+"""Accuracy of a toy model: sample every prompt of a split at fixed seeds, grade them by the exact checker and the judge.
 
     python -m flowrl.toy.accuracy                      # the shipped model, both splits, the demo's T and CFG
     python -m flowrl.toy.accuracy --checkpoint /tmp/run/checkpoints/step_001000.safetensors --grid grid.png
 
-A sample counts as right when the attribute judge's argmax of count, colour and shape all equal the prompt's.
+Two graders: `exact_accuracy` (the headline) counts a sample right when the rule-based `toy_exact` checker finds
+exactly the prompt's count, colour and shape in its pixels; `judge_accuracy` when the learned attribute judge's argmax
+of count, colour and shape all equal the prompt's (the judge is also the training reward, so it can be gamed).
 Sampling is the "ode" sampler (Euler steps over `model.sigmas()`), one generator per sample seeded by
 (seed, prompt index, sample index), so results do not depend on the batch size.
 """
@@ -48,13 +50,28 @@ def judge_accuracy(judge, images: torch.Tensor, prompts: list[str]) -> dict:
     return {k: round(v, 4) for k, v in result.items()}
 
 
+@torch.no_grad()
+def exact_accuracy(images: torch.Tensor, prompts: list[str]) -> dict:
+    """The `toy_exact` checker's reading of images [N, 3, H, W]: the fraction exactly right (count, colour and shape),
+    each part's accuracy, and how often a scene has a count the world never draws (none, four or more) or mixed colours."""
+    from flowrl.registry import REWARDS
+
+    out = REWARDS.build("toy_exact")(images, prompts, [{} for _ in prompts])
+    parts = {name: values.float().mean().item() for name, values in out.parts.items()}
+    result = {"accuracy": out.scores.float().mean().item(), "impossible_count_rate": parts["impossible_count"],
+              "mixed_colour_rate": parts["mixed_colours"]}
+    result.update({f"{h}_accuracy": parts[h] for h in HEADS})
+    return {k: round(v, 4) for k, v in result.items()}
+
+
 def split_accuracy(model, judge, split: str, num_per_prompt: int, num_steps: int, guidance_scale: float, seed: int = 0):
-    """(metrics, images [N, 3, 32, 32], prompts [N]) for every prompt of a split x `num_per_prompt` seeds."""
+    """(metrics, images [N, 3, 32, 32], prompts [N]) for every prompt of a split x `num_per_prompt` seeds: the judge's
+    metrics, and the exact checker's under `exact`."""
     base = split_prompts(split)
     prompts = [p for p in base for _ in range(num_per_prompt)]
     seeds = [seed * 1_000_000 + i * 1000 + k for i in range(len(base)) for k in range(num_per_prompt)]
     images = sample_images(model, prompts, seeds, num_steps, guidance_scale)
-    return judge_accuracy(judge, images, prompts), images, prompts
+    return {**judge_accuracy(judge, images, prompts), "exact": exact_accuracy(images, prompts)}, images, prompts
 
 
 def main(argv: list[str] | None = None) -> dict:

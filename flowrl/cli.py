@@ -151,6 +151,11 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     summary = run_demo(args.overrides, output_dir=args.out)
     print(json.dumps(summary, indent=2))
+    for step, name, reason in summary["hacking_flags"]:
+        print(f"reward hacking? demo: {name} {reason} at {step} while a training reward rose", file=sys.stderr)
+    if not summary["hacking_flagged"]:
+        pairs = ", ".join(f"{g} vs {t}" for g, t in summary["hacking_pairs"].items()) or "no pair"
+        print(f"hacking panel: nothing flagged ({pairs})", file=sys.stderr)
     return 0
 
 
@@ -386,19 +391,31 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", nargs="+", type=int, default=None, help="eval steps shown beside base (default: all)")
     p.add_argument("--hacking-margin", type=float, default=0.02,
                    help="flag a gold reward or diversity that falls by more than this (absolute) while a training reward rises")
+    p.add_argument("--hacking-pair", action="append", default=[], metavar="GOLD=TRAIN",
+                   help="pair a gold reward with the training reward it also measures (repeatable), e.g. "
+                        "toy_exact=toy_attributes: flag GOLD when TRAIN gains more than the margin over it on the same samples")
     p.add_argument("--thumb", type=int, default=128, help="largest image height in the page and grids, in pixels")
 
 
 def _run_report(args: argparse.Namespace) -> int:
     from flowrl.report import build_report
 
+    pairs: dict[str, str] = {}  # --hacking-pair GOLD=TRAIN -> {gold: training reward}
+    for value in args.hacking_pair:
+        gold, _, train = (part.strip() for part in value.partition("="))
+        if not gold or not train:
+            raise ValueError(f"--hacking-pair {value!r} must be GOLD=TRAIN (two reward names), e.g. toy_exact=toy_attributes")
+        if gold in pairs:
+            raise ValueError(f"--hacking-pair pairs {gold!r} twice ({gold}={pairs[gold]} and {value}); "
+                             "give each gold reward once")
+        pairs[gold] = train
     result = build_report(args.run_dir, args.compare, args.out, steps=args.steps, hacking_margin=args.hacking_margin,
-                          thumb=args.thumb)
+                          hacking_pairs=pairs, thumb=args.thumb)
     for run, gap in result["gaps"]:
         print(f"gap: {run}: {gap}", file=sys.stderr)
-    for run, flagged in result["flags"].items():
-        for step, name in flagged:
-            print(f"reward hacking? {run}: {name} fell at {step} while a training reward rose", file=sys.stderr)
+    for run, flagged in result["flag_reasons"].items():
+        for step, name, reason in flagged:  # reason: "fell by 0.05" or "gained 0.2 less than <training> on the same N samples"
+            print(f"reward hacking? {run}: {name} {reason} at {step} while a training reward rose", file=sys.stderr)
     print(result["index"])
     return 0
 

@@ -1,22 +1,29 @@
-"""remote: a real `flowrl serve-reward` subprocess on localhost, and small misbehaving servers for the
-failure paths (down, slow, malformed, 503 then OK, wrong token)."""
+"""remote: a real `flowrl serve-reward` subprocess on localhost, an in-thread server whose reward records what it
+received (the wire format: safetensors uint8, zlib, the PNG fallback), malformed bodies, and small misbehaving
+servers for the failure paths (down, slow, malformed, 503 then OK, wrong token, server errors)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from safetensors.torch import save as save_safetensors
 from tiny_checkpoints import tiny_open_clip
 
+from flowrl.media import to_uint8
 from flowrl.registry import REWARDS
-from flowrl.rewards.remote import RemoteRewardError
+from flowrl.rewards._server import make_server
+from flowrl.rewards.remote import RemoteRewardError, encode_batch
+from flowrl.types import RewardOutput
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle"]
 
@@ -158,15 +165,121 @@ def test_null_scores_are_nan_and_bad_url_rejected():
 
 
 def test_server_rejects_bad_batch_as_value_error():
-    from flowrl.rewards.reward_server import make_server
-
     server = make_server(REWARDS.build("jpeg_compressibility"), port=0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         remote = REWARDS.build("remote", url=f"http://127.0.0.1:{server.server_address[1]}", max_retries=0)
         videos = torch.rand(2, 3, 3, 16, 16)  # an image reward served, videos sent
-        with pytest.raises(ValueError, match="server rejected the batch: jpeg_compressibility: images shape"):
+        with pytest.raises(ValueError, match=r"server rejected the batch \(HTTP 400\): jpeg_compressibility: images shape"):
             remote(videos, PROMPTS[:2], [{}] * 2)
     finally:
         server.shutdown()
         server.server_close()
+
+
+class _Recorder:
+    """A real reward that keeps what it was given and scores each sample by its mean pixel value."""
+
+    modalities = ("image", "video")
+    differentiable = False
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, images, prompts, metadata):
+        self.calls.append((images.clone(), list(prompts), list(metadata)))
+        return RewardOutput(scores=images.flatten(1).mean(1), parts={"max": images.flatten(1).amax(1)})
+
+
+@pytest.fixture()
+def recorder_url():
+    recorder = _Recorder()
+    server = make_server(recorder, port=0, token="t0k")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield recorder, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 17, 32), (2, 4, 3, 8, 16)], ids=["images", "videos"])
+def test_wire_formats_deliver_the_same_uint8_values(recorder_url, shape):
+    recorder, url = recorder_url
+    images = torch.rand(shape, generator=torch.Generator().manual_seed(1))  # arbitrary floats, not k/255
+    images[0, ..., 0, 0] = torch.tensor([0.0, 1.0, 0.5 / 255])  # the ends and a rounding tie
+    prompts, metadata = ["ünïcode «prompt»", "two", "three"][: shape[0]], [{"tag": [1, None]}, {}, {"k": "v"}][: shape[0]]
+    want = to_uint8(images).float() / 255  # round(x * 255) / 255: what the PNG transport always delivered
+    for kwargs in ({}, {"compression": "zlib"}, {"encoding": "png"}):
+        out = REWARDS.build("remote", url=url, token="t0k", max_retries=0, **kwargs)(images, prompts, metadata)
+        got, got_prompts, got_metadata = recorder.calls[-1]
+        assert got.dtype == torch.float32 and torch.equal(got, want), kwargs
+        assert (got_prompts, got_metadata) == (prompts, metadata)
+        torch.testing.assert_close(out.scores, want.flatten(1).mean(1), atol=1e-6, rtol=0)
+        assert torch.equal(out.parts["max"], want.flatten(1).amax(1))
+    assert len(recorder.calls) == 3
+
+
+def test_safetensors_payload_is_uint8_and_zlib_is_deflate():
+    images = torch.full((2, 3, 64, 64), 0.25)  # flat images: compressible
+    body, headers = encode_batch(images, ["a", "b"], [{}, {}])
+    packed, packed_headers = encode_batch(images, ["a", "b"], [{}, {}], compression="zlib")
+    assert headers == {"Content-Type": "application/x-safetensors"}
+    assert packed_headers == {"Content-Type": "application/x-safetensors", "Content-Encoding": "deflate"}
+    assert zlib.decompress(packed) == body and len(packed) < len(body) // 20
+    assert len(body) == 2 * 3 * 64 * 64 + 8 + int.from_bytes(body[:8], "little")  # one uint8 byte per value
+    header = json.loads(body[8 : 8 + int.from_bytes(body[:8], "little")])
+    assert header["images"]["dtype"] == "U8" and header["images"]["shape"] == [2, 3, 64, 64]
+    assert json.loads(header["__metadata__"]["prompts"]) == ["a", "b"]
+    with pytest.raises(ValueError, match="compression=zlib needs encoding=safetensors"):
+        REWARDS.build("remote", url="http://127.0.0.1:1", encoding="png", compression="zlib")
+    with pytest.raises(ValueError, match="encoding='jpeg'"):
+        REWARDS.build("remote", url="http://127.0.0.1:1", encoding="jpeg")
+
+
+def _safetensors(tensors, **metadata):
+    return save_safetensors(tensors, metadata={k: json.dumps(v) for k, v in metadata.items()})
+
+
+PIXELS = torch.zeros(1, 3, 4, 4, dtype=torch.uint8)
+MALFORMED = {
+    "garbage": ({}, b"not a safetensors file", "is not a safetensors file"),
+    "truncated": ({}, _safetensors({"images": PIXELS}, prompts=["a"])[:-5], "not a valid safetensors file"),
+    "float pixels": ({}, _safetensors({"images": PIXELS.float()}, prompts=["a"]), "send uint8 of 4 dims"),
+    "no prompts": ({}, _safetensors({"images": PIXELS}), "needs 'prompts'"),
+    "two tensors": ({}, _safetensors({"images": PIXELS, "videos": PIXELS[None].clone()}, prompts=["a"]), "exactly one"),
+    "prompt not text": ({}, _safetensors({"images": PIXELS}, prompts=[3]), "'prompts' must be a non-empty list of strings"),
+    "bad deflate": ({"Content-Encoding": "deflate"}, b"\x00\x01 not zlib", "not a deflate"),
+    "gzip": ({"Content-Encoding": "gzip"}, _safetensors({"images": PIXELS}, prompts=["a"]), "'gzip' is not supported"),
+    "text/plain": ({"Content-Type": "text/plain"}, b"hello", "'text/plain' is not supported"),
+    "wrong count": ({}, _safetensors({"images": PIXELS}, prompts=["a", "b"]), "2 prompts and 2 metadata entries for 1 samples"),
+    "json without pixels": ({"Content-Type": "application/json"}, b'{"prompts": ["a"]}', "neither 'images' nor 'videos'"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_body_is_a_400_with_a_message(recorder_url, case):
+    recorder, url = recorder_url
+    extra, body, message = MALFORMED[case]
+    headers = {"Content-Type": "application/x-safetensors", "Authorization": "Bearer t0k", **extra}
+    connection = http.client.HTTPConnection(*url[len("http://"):].split(":"), timeout=10)
+    try:
+        connection.request("POST", "/score", body=body, headers=headers)
+        response = connection.getresponse()
+        status, answer = response.status, json.loads(response.read())
+    finally:
+        connection.close()
+    assert status == 400 and message in answer["error"] and "\n" not in answer["error"], answer
+    assert recorder.calls == []
+
+
+@pytest.mark.parametrize(("status", "error"), [(400, ValueError), (500, RemoteRewardError), (404, RemoteRewardError)])
+def test_server_errors_surface_in_one_line(status, error):
+    server = _Scripted([(0, status, json.dumps({"error": "first line\n  second line\tend"}).encode())])
+    try:
+        remote = REWARDS.build("remote", url=server.url, max_retries=3, backoff_s=0.01)
+        with pytest.raises(error) as caught:
+            remote(_images(1), PROMPTS[:1], [{}])
+        text = str(caught.value)
+        assert "\n" not in text and server.url in text and f"HTTP {status}" in text and "first line second line end" in text
+        assert server.calls == 1  # not retried
+    finally:
+        server.close()

@@ -557,8 +557,8 @@ class StepRule:
 
     def step(self, v, x, sigma, sigma_next, noise_level, prev_sample=None, generator=None, noise=None):
         """sde_step under this rule (see sde_step for arguments and returns)."""
-        return sde_step(v, x, sigma, sigma_next, self.kind, noise_level, prev_sample, generator,
-                        log_prob_mode=self.log_prob_mode, first_step_threshold=self.first_step_threshold, noise=noise)
+        options = {"log_prob_mode": self.log_prob_mode, "first_step_threshold": self.first_step_threshold}
+        return sde_step(v, x, sigma, sigma_next, self.kind, noise_level, prev_sample, generator, noise=noise, **options)
 
 
 def transition_stds(rule: StepRule, sigmas: torch.Tensor, noise_levels: torch.Tensor) -> torch.Tensor:
@@ -592,6 +592,6 @@ def rescore_transition(
     if v_ref is None:
         return log_prob, None
     _, _, ref_mean, _ = rule.step(v_ref, x, sigma, sigma_next, noise_level, prev_sample=x_next)
-    dt = (torch.as_tensor(sigma, dtype=torch.float32) - torch.as_tensor(sigma_next, dtype=torch.float32)
-          if rule.kind in ("flow_grpo", "dance") else None)
+    h = torch.as_tensor(sigma, dtype=torch.float32) - torch.as_tensor(sigma_next, dtype=torch.float32)
+    dt = h if rule.kind in ("flow_grpo", "dance") else None
     return log_prob, gaussian_kl(mean, ref_mean, std, kl_form, dt=dt)

@@ -32,7 +32,11 @@ def group_mean_std(rewards: torch.Tensor, group_ids: torch.Tensor, unbiased: boo
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, std: str = "group", eps: float = 1e-4, unbiased: bool = False,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    std: str = "group",
+    eps: float = 1e-4,
+    unbiased: bool = False,
     clip: float | None = 5.0,
 ) -> torch.Tensor:
     """A_i = (R_i − mean_group) / (std + eps), std per group ("group") or over the whole batch ("global").

@@ -36,6 +36,8 @@ class WeightedSumBalancer:
         total = torch.where(applicable.any(0), total, torch.full_like(total, float("nan")))  # no reward applied: NaN
         advantages = group_advantages(total, group_ids, std=self.std, eps=self.eps, unbiased=self.unbiased, clip=self.clip)
         zero = zero_std_groups(total, group_ids)
-        metrics = {"reward/total/mean": float(total[torch.isfinite(total)].mean()) if torch.isfinite(total).any() else float("nan"),
-                   "train/zero_std_fraction": float(zero.float().mean())}
+        metrics = {
+            "reward/total/mean": float(total[torch.isfinite(total)].mean()) if torch.isfinite(total).any() else float("nan"),
+            "train/zero_std_fraction": float(zero.float().mean()),
+        }
         return advantages, metrics

@@ -43,8 +43,17 @@ def bench_rollout(repeats: int = 5, height: int = 64, width: int = 64, num_steps
     prompts = [f"a photo of object number {i}" for i in range(batch_size)]
     seeds = list(range(batch_size))
     batch = PromptBatch(prompts, torch.arange(batch_size), seeds=torch.tensor(seeds))
-    result: dict = {"settings": {"height": height, "width": width, "num_steps": num_steps, "batch_size": batch_size,
-                                 "repeats": repeats, "threads": torch.get_num_threads(), "prompt_cache": "warm"}}
+    result: dict = {
+        "settings": {
+            "height": height,
+            "width": width,
+            "num_steps": num_steps,
+            "batch_size": batch_size,
+            "repeats": repeats,
+            "threads": torch.get_num_threads(),
+            "prompt_cache": "warm",
+        }
+    }
     with tempfile.TemporaryDirectory() as root:
         for family in ("sd3", "flux"):
             model = load_flow_model(str(build_tiny_pipeline(family, Path(root) / family)))
@@ -55,22 +64,32 @@ def bench_rollout(repeats: int = 5, height: int = 64, width: int = 64, num_steps
 
             def pipeline():
                 gens = [torch.Generator().manual_seed(s) for s in seeds]
-                return model.pipe(prompts, height=height, width=width, num_inference_steps=num_steps,
-                                  guidance_scale=guidance, generator=gens, output_type="pt")
+                return model.pipe(
+                    prompts,
+                    height=height,
+                    width=width,
+                    num_inference_steps=num_steps,
+                    guidance_scale=guidance,
+                    generator=gens,
+                    output_type="pt",
+                )
 
             with torch.no_grad():
-                times = best_times({"pipeline": pipeline, "ode": lambda: ode(model, batch), "sde": lambda: sde(model, batch)},
-                                   repeats)
+                times = best_times(
+                    {"pipeline": pipeline, "ode": lambda: ode(model, batch), "sde": lambda: sde(model, batch)}, repeats
+                )
             pipeline_s, ode_s, sde_s = times["pipeline"], times["ode"], times["sde"]
             result[family] = {
-                "pipeline_s": round(pipeline_s, 5), "ode_s": round(ode_s, 5), "sde_s": round(sde_s, 5),
-                "ode_over_pipeline": round(ode_s / pipeline_s, 3), "sde_over_pipeline": round(sde_s / pipeline_s, 3),
+                "pipeline_s": round(pipeline_s, 5),
+                "ode_s": round(ode_s, 5),
+                "sde_s": round(sde_s, 5),
+                "ode_over_pipeline": round(ode_s / pipeline_s, 3),
+                "sde_over_pipeline": round(sde_s / pipeline_s, 3),
             }
     return result
 
 
-def bench_report(repeats: int = 1, num_prompts: int = 100, num_seeds: int = 8, num_checkpoints: int = 3,
-                 size: int = 32) -> dict:
+def bench_report(repeats: int = 1, num_prompts: int = 100, num_seeds: int = 8, num_checkpoints: int = 3, size: int = 32) -> dict:
     """Time to build the report of a fabricated run: base + `num_checkpoints` evals of prompts x seeds, and
     the size of its index.html. Images are smooth random `size`x`size` PNGs (the toy world's resolution)."""
     import json
@@ -92,9 +111,19 @@ def bench_report(repeats: int = 1, num_prompts: int = 100, num_seeds: int = 8, n
         (run / "config.yaml").write_text("model:\n  path: toy\nrewards:\n  - name: toy_attributes\n")
         with open(run / "metrics.jsonl", "w") as f:
             for step in range(1, steps[-1] + 1):
-                f.write(json.dumps({"step": step, "time": step * 1.0, "train/loss": float(rng.normal()),
-                                    "train/kl": step * 1e-4, "reward/toy_attributes/mean": step / steps[-1],
-                                    "reward/toy_attributes/std": 0.1}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "time": step * 1.0,
+                            "train/loss": float(rng.normal()),
+                            "train/kl": step * 1e-4,
+                            "reward/toy_attributes/mean": step / steps[-1],
+                            "reward/toy_attributes/std": 0.1,
+                        }
+                    )
+                    + "\n"
+                )
         for step in steps:
             folder = run / "eval" / ("base" if step == 0 else f"step_{step:06d}")
             folder.mkdir(parents=True)
@@ -106,17 +135,41 @@ def bench_report(repeats: int = 1, num_prompts: int = 100, num_seeds: int = 8, n
                     coarse = rng.integers(0, 256, (size // 8, size // 8, 3), dtype=np.uint8)  # [h, w, 3]
                     image = Image.fromarray(coarse).resize((size, size), Image.Resampling.BILINEAR)
                     image.save(folder / f"p{p:03d}_s{s:03d}.png")
-                    samples.append({"prompt_index": p, "seed_index": s, "seed": s, "image": f"p{p:03d}_s{s:03d}.png",
-                                    "scores": {n: float(rng.random()) for n in names}})
-            per_prompt = {n: [float(np.mean([x["scores"][n] for x in samples[p * num_seeds:(p + 1) * num_seeds]]))
-                              for p in range(num_prompts)] for n in names}
+                    samples.append(
+                        {
+                            "prompt_index": p,
+                            "seed_index": s,
+                            "seed": s,
+                            "image": f"p{p:03d}_s{s:03d}.png",
+                            "scores": {n: float(rng.random()) for n in names},
+                        }
+                    )
+            per_prompt = {
+                n: [
+                    float(np.mean([x["scores"][n] for x in samples[p * num_seeds : (p + 1) * num_seeds]]))
+                    for p in range(num_prompts)
+                ]
+                for n in names
+            }
             diversity = [float(rng.random()) for _ in prompts]
-            (folder / "scores.json").write_text(json.dumps({
-                "format": "flowrl.eval/1", "step": step, "label": folder.name, "is_video": False, "prompts": prompts,
-                "seeds": seeds, "metadata": [{} for _ in prompts], "rewards": rewards, "samples": samples,
-                "per_prompt": per_prompt, "means": {n: float(np.mean(v)) for n, v in per_prompt.items()},
-                "diversity": {"space": "pixel", "per_prompt": diversity, "mean": float(np.mean(diversity))},
-            }))
+            (folder / "scores.json").write_text(
+                json.dumps(
+                    {
+                        "format": "flowrl.eval/1",
+                        "step": step,
+                        "label": folder.name,
+                        "is_video": False,
+                        "prompts": prompts,
+                        "seeds": seeds,
+                        "metadata": [{} for _ in prompts],
+                        "rewards": rewards,
+                        "samples": samples,
+                        "per_prompt": per_prompt,
+                        "means": {n: float(np.mean(v)) for n, v in per_prompt.items()},
+                        "diversity": {"space": "pixel", "per_prompt": diversity, "mean": float(np.mean(diversity))},
+                    }
+                )
+            )
         times = []
         for _ in range(max(1, repeats)):
             start = time.perf_counter()
@@ -124,9 +177,15 @@ def bench_report(repeats: int = 1, num_prompts: int = 100, num_seeds: int = 8, n
             times.append(time.perf_counter() - start)
         grid_bytes = sum(Path(g).stat().st_size for g in result["grids"])
     return {
-        "settings": {"num_prompts": num_prompts, "num_seeds": num_seeds, "num_checkpoints": num_checkpoints,
-                     "evals_including_base": len(steps), "image_size": size, "repeats": repeats,
-                     "metrics_lines": steps[-1]},
+        "settings": {
+            "num_prompts": num_prompts,
+            "num_seeds": num_seeds,
+            "num_checkpoints": num_checkpoints,
+            "evals_including_base": len(steps),
+            "image_size": size,
+            "repeats": repeats,
+            "metrics_lines": steps[-1],
+        },
         "build_s": round(min(times), 3),
         "index_html_bytes": result["index_bytes"],
         "index_html_mb": round(result["index_bytes"] / 1e6, 2),
@@ -135,8 +194,9 @@ def bench_report(repeats: int = 1, num_prompts: int = 100, num_seeds: int = 8, n
     }
 
 
-def _round_times(fns: dict[str, Callable[[], object]], rounds: int,
-                 cpu_clocks: dict[str, Callable[[], float]]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def _round_times(
+    fns: dict[str, Callable[[], object]], rounds: int, cpu_clocks: dict[str, Callable[[], float]]
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Wall and CPU seconds of each function in each of `rounds` rounds (a, b, a, b, ...), after one warm-up call each.
 
     CPU seconds (`cpu_clocks[name]` may add up several processes) depend less on other processes' load than wall times."""
@@ -194,8 +254,9 @@ def _served_reward(name: str, sets: list[str], threads: int):
     command = [sys.executable, "-m", "flowrl.cli", "serve-reward", name, "--port", "0", "--device", "cpu"]
     command += [arg for pair in sets for arg in ("--set", pair)]
     with tempfile.TemporaryFile(mode="w+") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                   env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads))
+        )
         try:
             line = process.stdout.readline()  # "flowrl serve-reward: serving NAME on http://HOST:PORT"
             if " on http://" not in line:
@@ -245,10 +306,18 @@ def bench_rewards(repeats: int = 3, batch_size: int = 8, remote_batch_size: int 
         seconds = best_times({"score": lambda: reward(images, prompts, [{} for _ in prompts])}, rounds)["score"]
         return round(n / seconds, 3)
 
-    result: dict = {"settings": {"batch_size": batch_size, "remote_batch_size": remote_batch_size, "repeats": repeats,
-                                 "threads": torch.get_num_threads(), "device": "cpu",
-                                 "unit": "images/s (video rewards: videos of 4 frames/s)"},
-                    "tiny": {}, "real": {}}
+    result: dict = {
+        "settings": {
+            "batch_size": batch_size,
+            "remote_batch_size": remote_batch_size,
+            "repeats": repeats,
+            "threads": torch.get_num_threads(),
+            "device": "cpu",
+            "unit": "images/s (video rewards: videos of 4 frames/s)",
+        },
+        "tiny": {},
+        "real": {},
+    }
     with tempfile.TemporaryDirectory() as root, torch.no_grad():
         for name, build in TINY_REWARDS.items():
             folder = Path(root) / "tiny" / name
@@ -270,15 +339,23 @@ def bench_rewards(repeats: int = 3, batch_size: int = 8, remote_batch_size: int 
         tiny_aesthetic_head(Path(root) / "aesthetic.pth", dims=(768, 1024, 128, 64, 16, 1))
         real = {
             "clipscore[ViT-L-14]": lambda: REWARDS.build("clipscore", model_name=vit_l, pretrained=None),
-            "aesthetic[ViT-L-14 + MLP]": lambda: REWARDS.build("aesthetic", model_name=vit_l, pretrained=None,
-                                                               checkpoint=str(Path(root) / "aesthetic.pth")),
+            "aesthetic[ViT-L-14 + MLP]": lambda: REWARDS.build(
+                "aesthetic", model_name=vit_l, pretrained=None, checkpoint=str(Path(root) / "aesthetic.pth")
+            ),
             # hpsv2 and pickscore run this same computation (CLIP ViT-H-14 image + text towers, cosine)
-            "hpsv2/pickscore[ViT-H-14]": lambda: REWARDS.build("clipscore", model_name=open_clip_folder("ViT-H-14"),
-                                                               pretrained=None),
-            "imagereward[BLIP ViT-L + BERT-base]": lambda: REWARDS.build("imagereward", **make_imagereward_files(
-                Path(root) / "imagereward", vision=BLIP_LARGE, med_overrides=BERT_BASE,
-                words=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(30517)],
-                dtype=torch.bfloat16)),
+            "hpsv2/pickscore[ViT-H-14]": lambda: REWARDS.build(
+                "clipscore", model_name=open_clip_folder("ViT-H-14"), pretrained=None
+            ),
+            "imagereward[BLIP ViT-L + BERT-base]": lambda: REWARDS.build(
+                "imagereward",
+                **make_imagereward_files(
+                    Path(root) / "imagereward",
+                    vision=BLIP_LARGE,
+                    med_overrides=BERT_BASE,
+                    words=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(30517)],
+                    dtype=torch.bfloat16,
+                ),
+            ),
         }
         for label, build_reward in real.items():
             start = time.perf_counter()
@@ -297,8 +374,14 @@ def bench_rewards(repeats: int = 3, batch_size: int = 8, remote_batch_size: int 
         with _served_reward("clipscore", [f"model_name={vit_l}", "pretrained=null"], torch.get_num_threads()) as (url, pid):
             remote = REWARDS.build("remote", url=url, timeout_s=600)
             clocks = {"local": time.process_time, "remote": lambda: time.process_time() + _process_cpu_s(pid)}
-            times, cpu = _round_times({"local": _in_fresh_thread(lambda: local(images, prompts, metadata)),
-                                       "remote": lambda: remote(images, prompts, metadata)}, remote_rounds, clocks)
+            times, cpu = _round_times(
+                {
+                    "local": _in_fresh_thread(lambda: local(images, prompts, metadata)),
+                    "remote": lambda: remote(images, prompts, metadata),
+                },
+                remote_rounds,
+                clocks,
+            )
         body, headers = encode_batch(images, prompts, metadata)
         encode_s = min(best_times({"encode": lambda: encode_batch(images, prompts, metadata)}, 3).values())
         decode_s = min(best_times({"decode": lambda: decode_request(body, headers["Content-Type"])}, 3).values())
@@ -306,19 +389,30 @@ def bench_rewards(repeats: int = 3, batch_size: int = 8, remote_batch_size: int 
         cpu_ratios = [r / lo for lo, r in zip(cpu["local"], cpu["remote"])]
         median = lambda values: round(statistics.median(values), 3)  # noqa: E731
         result["remote"] = {
-            "reward": "clipscore[ViT-L-14]", "image_size": 512, "batch_size": remote_batch_size, "rounds": remote_rounds,
-            "server": "flowrl serve-reward subprocess, loopback", "wire": "safetensors uint8, no compression",
+            "reward": "clipscore[ViT-L-14]",
+            "image_size": 512,
+            "batch_size": remote_batch_size,
+            "rounds": remote_rounds,
+            "server": "flowrl serve-reward subprocess, loopback",
+            "wire": "safetensors uint8, no compression",
             "local_call": "in process, one fresh thread per call (as the server runs each request)",
-            "local_s": median(times["local"]), "remote_s": median(times["remote"]),
+            "local_s": median(times["local"]),
+            "remote_s": median(times["remote"]),
             "remote_minus_local_s": median([r - lo for lo, r in zip(times["local"], times["remote"])]),
-            "remote_over_local": median(ratios), "remote_over_local_min": round(min(ratios), 3),
+            "remote_over_local": median(ratios),
+            "remote_over_local_min": round(min(ratios), 3),
             "remote_over_local_max": round(max(ratios), 3),
             # CPU seconds (client + server process for remote): the transport's cost with other processes' load left out
-            "local_cpu_s": median(cpu["local"]), "remote_cpu_s": median(cpu["remote"]),
-            "remote_over_local_cpu": median(cpu_ratios), "remote_over_local_cpu_min": round(min(cpu_ratios), 3),
+            "local_cpu_s": median(cpu["local"]),
+            "remote_cpu_s": median(cpu["remote"]),
+            "remote_over_local_cpu": median(cpu_ratios),
+            "remote_over_local_cpu_min": round(min(cpu_ratios), 3),
             "remote_over_local_cpu_max": round(max(cpu_ratios), 3),
-            "local_rounds_s": [round(t, 3) for t in times["local"]], "remote_rounds_s": [round(t, 3) for t in times["remote"]],
-            "payload_mb": round(len(body) / 1e6, 2), "encode_s": round(encode_s, 4), "decode_s": round(decode_s, 4),
+            "local_rounds_s": [round(t, 3) for t in times["local"]],
+            "remote_rounds_s": [round(t, 3) for t in times["remote"]],
+            "payload_mb": round(len(body) / 1e6, 2),
+            "encode_s": round(encode_s, 4),
+            "decode_s": round(decode_s, 4),
         }
     return result
 
@@ -334,8 +428,9 @@ def bench_train(repeats: int = 3, overrides: list[str] | None = None) -> dict:
     from flowrl.trainers import build_trainer, load_config
 
     with tempfile.TemporaryDirectory() as root:
-        cfg = load_config(CONFIG, [f"output_dir={root}", "name=bench", "logging.trackers=[]", "logging.progress_bar=false",
-                                   *(overrides or [])])
+        cfg = load_config(
+            CONFIG, [f"output_dir={root}", "name=bench", "logging.trackers=[]", "logging.progress_bar=false", *(overrides or [])]
+        )
         shutil.rmtree(cfg.run_dir, ignore_errors=True)
         trainer = build_trainer(cfg)
         trainer.train_step()  # warm-up
@@ -346,13 +441,22 @@ def bench_train(repeats: int = 3, overrides: list[str] | None = None) -> dict:
     optimise = sum(m["perf/optimise_s"] for m in steps)
     samples = trainer.local_n * len(steps)
     return {
-        "settings": {"config": str(CONFIG), "steps": repeats, "samples_per_step": trainer.local_n,
-                     "threads": torch.get_num_threads(), "sampler_steps": cfg.sampler.kwargs.get("num_steps")},
+        "settings": {
+            "config": str(CONFIG),
+            "steps": repeats,
+            "samples_per_step": trainer.local_n,
+            "threads": torch.get_num_threads(),
+            "sampler_steps": cfg.sampler.kwargs.get("num_steps"),
+        },
         "rollout_images_per_s": round(samples / rollout, 2),
         "train_samples_per_s": round(samples / optimise, 2),
         "step_samples_per_s": round(samples / total, 2),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "share": {"rollout": round(rollout / total, 3), "reward": round(reward / total, 3),
-                  "optimise": round(optimise / total, 3), "other": round(1 - (rollout + reward + optimise) / total, 3)},
+        "share": {
+            "rollout": round(rollout / total, 3),
+            "reward": round(reward / total, 3),
+            "optimise": round(optimise / total, 3),
+            "other": round(1 - (rollout + reward + optimise) / total, 3),
+        },
         "note": "reward time runs in a worker thread and overlaps the next rollout chunk; its share is its own wall time",
     }

@@ -48,7 +48,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     if not folder.is_dir():
         return []
     found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / "trainer_state.json").exists()]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -87,8 +87,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    accelerator, run_dir: str | Path, step: int, *, trainable: dict[str, torch.Tensor], optimizer_state: dict, lr_scheduler,
-    trainer_state: dict, config_yaml: str, ema: dict[str, torch.Tensor] | None = None, model=None, keep_last: int = 2,
+    accelerator,
+    run_dir: str | Path,
+    step: int,
+    *,
+    trainable: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    lr_scheduler,
+    trainer_state: dict,
+    config_yaml: str,
+    ema: dict[str, torch.Tensor] | None = None,
+    model=None,
+    keep_last: int = 2,
     lora_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the full state of every process for `step`; all processes must call it. Returns the folder.
@@ -195,7 +205,9 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
         return latest_checkpoint(run_dir)
     path = Path(resume)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint.resume={resume!r} is not a folder; pass 'latest' or a checkpoints/step_XXXXXX folder")
+        raise FileNotFoundError(
+            f"checkpoint.resume={resume!r} is not a folder; pass 'latest' or a checkpoints/step_XXXXXX folder"
+        )
     return path
 
 
@@ -205,28 +217,37 @@ def load_model_for_eval(cfg, checkpoint: str | Path):
     from flowrl.models import load_flow_model
 
     m = cfg.model
-    model = load_flow_model(m.path, dtype=m.dtype, device=cfg.device or "cpu", max_sequence_length=m.max_sequence_length,
-                            mixed_precision=m.mixed_precision)
+    model = load_flow_model(
+        m.path,
+        dtype=m.dtype,
+        device=cfg.device or "cpu",
+        max_sequence_length=m.max_sequence_length,
+        mixed_precision=m.mixed_precision,
+    )
     if str(checkpoint) == "base":
         return model, "base"
     state = load_checkpoint(checkpoint)
     if m.use_lora:
-        model.add_lora(rank=m.lora_rank, alpha=m.lora_alpha,
-                       target_modules=tuple(m.lora_target_modules) if m.lora_target_modules else None)
+        model.add_lora(
+            rank=m.lora_rank, alpha=m.lora_alpha, target_modules=tuple(m.lora_target_modules) if m.lora_target_modules else None
+        )
     use_ema = cfg.eval.use_ema and state["ema"] is not None and state["trainer_state"].get("ema_updates", 1) > 0
     weights = state["ema"] if use_ema else state["trainable"]
     params = dict(model.transformer.named_parameters())
     missing = [k for k in weights if k not in params]
     if missing:
-        raise ValueError(f"checkpoint {str(checkpoint)!r} has weights the model lacks ({missing[0]}, ...): was it made with another model config?")
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} has weights the model lacks ({missing[0]}, ...): was it made with another model config?"
+        )
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value.to(params[name].dtype))
     return model, "ema" if use_ema else "raw"
 
 
-def save_training_state(accelerator, run_dir: str | Path, step: int, opt, ema, model, trainer_state: dict, config_yaml: str,
-                        keep_last: int = 2) -> Path:
+def save_training_state(
+    accelerator, run_dir: str | Path, step: int, opt, ema, model, trainer_state: dict, config_yaml: str, keep_last: int = 2
+) -> Path:
     """Any recipe's checkpoint: the OptimizerStep's tensors and counters, the EMA, the recipe's own state.
 
     Whole tensors are gathered for the main process (a collective under FSDP2 / ZeRO-2, skipped by other
@@ -239,11 +260,24 @@ def save_training_state(accelerator, run_dir: str | Path, step: int, opt, ema, m
     trainable, optimizer_state = opt.full_state(gather)
     ema_tensors = {k: full(v) for k, v in ema.shadow.items()} if gather and ema is not None else None
     exported = "ema" if ema is not None and ema.num_updates > 0 else "raw"
-    state = {**trainer_state, "optimizer": opt.state_dict(), "ema_updates": ema.num_updates if ema is not None else 0,
-             "lora_weights": exported}
+    state = {
+        **trainer_state,
+        "optimizer": opt.state_dict(),
+        "ema_updates": ema.num_updates if ema is not None else 0,
+        "lora_weights": exported,
+    }
     return save_checkpoint(
-        accelerator, run_dir, step, trainable=trainable, optimizer_state=optimizer_state, lr_scheduler=opt.lr_scheduler,
-        trainer_state=state, config_yaml=config_yaml, ema=ema_tensors, model=model, keep_last=keep_last,
+        accelerator,
+        run_dir,
+        step,
+        trainable=trainable,
+        optimizer_state=optimizer_state,
+        lr_scheduler=opt.lr_scheduler,
+        trainer_state=state,
+        config_yaml=config_yaml,
+        ema=ema_tensors,
+        model=model,
+        keep_last=keep_last,
         lora_tensors=ema_tensors if exported == "ema" else None,
     )
 
@@ -258,8 +292,10 @@ def restore_training_state(path: str | Path, accelerator, opt, ema, config: dict
     state = load_checkpoint(path, accelerator.process_index)
     diff = config_differences(state["config"], config)
     if diff:
-        raise ValueError(f"checkpoint {str(path)!r} comes from another config: keys {', '.join(diff[:6])} differ; "
-                         "resume with the config it was written with or start a new run name")
+        raise ValueError(
+            f"checkpoint {str(path)!r} comes from another config: keys {', '.join(diff[:6])} differ; "
+            "resume with the config it was written with or start a new run name"
+        )
     opt.load_full_state(state["trainable"], state["optimizer"], state["lr_scheduler"])
     ts = state["trainer_state"]
     opt.load_state_dict(ts["optimizer"])

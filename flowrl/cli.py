@@ -16,8 +16,12 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora", default=None, help="folder or .safetensors of a LoRA in the diffusers format")
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-images-per-prompt", type=int, default=1,
-                   help="N images per prompt with seeds SEED, SEED+1, ..., SEED+N-1 (the seed is in each file name)")
+    p.add_argument(
+        "--num-images-per-prompt",
+        type=int,
+        default=1,
+        help="N images per prompt with seeds SEED, SEED+1, ..., SEED+N-1 (the seed is in each file name)",
+    )
     p.add_argument("--num-steps", type=int, default=20)
     p.add_argument("--guidance-scale", type=float, default=None, help="default: the family's usual value")
     p.add_argument("--height", type=int, default=None)
@@ -26,8 +30,12 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sampler", choices=["ode", "sde"], default="ode")
     p.add_argument("--noise-level", type=float, default=0.7, help="SDE sampler noise level")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-sequence-length", type=int, default=None,
-                   help="text tokens per prompt (default: the pipeline's own; the toy model has a fixed length)")
+    p.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=None,
+        help="text tokens per prompt (default: the pipeline's own; the toy model has a fixed length)",
+    )
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--out", required=True, help="output folder")
 
@@ -58,14 +66,17 @@ def _run_sample(args: argparse.Namespace) -> int:
         if not os.path.isfile(lora_file):
             is_dir = os.path.isdir(args.lora)
             where = f"folder {args.lora!r} holds no {WEIGHT_NAME}" if is_dir else f"{args.lora!r} does not exist"
-            raise FileNotFoundError(f"--lora {where}; pass a folder written by save_lora (a checkpoint's lora/) "
-                                    "or its .safetensors file")
+            raise FileNotFoundError(
+                f"--lora {where}; pass a folder written by save_lora (a checkpoint's lora/) or its .safetensors file"
+            )
         try:
             with safe_open(lora_file, framework="pt"):
                 pass
         except (SafetensorError, OSError) as err:
-            raise ValueError(f"--lora file {lora_file!r} is not a readable .safetensors file ({err}); "
-                             f"pass the {WEIGHT_NAME} written by save_lora") from None
+            raise ValueError(
+                f"--lora file {lora_file!r} is not a readable .safetensors file ({err}); "
+                f"pass the {WEIGHT_NAME} written by save_lora"
+            ) from None
     # 1. Model and sampler
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_flow_model(args.model, dtype=args.dtype, device=device, max_sequence_length=args.max_sequence_length)
@@ -74,12 +85,15 @@ def _run_sample(args: argparse.Namespace) -> int:
             model.load_lora(args.lora)
         except (KeyError, RuntimeError) as err:  # peft / diffusers on an adapter made for another model
             detail = " ".join(str(err).split())[:120]
-            raise ValueError(f"--lora {lora_file!r} does not fit the {model.family} model {args.model!r} "
-                             f"({type(err).__name__}: {detail}); pass a LoRA trained on this model") from None
+            raise ValueError(
+                f"--lora {lora_file!r} does not fit the {model.family} model {args.model!r} "
+                f"({type(err).__name__}: {detail}); pass a LoRA trained on this model"
+            ) from None
     default_h, default_w, default_f = model.native_size
     height, width, num_frames = args.height or default_h, args.width or default_w, args.num_frames or default_f
-    options = dict(num_steps=args.num_steps, height=height, width=width, num_frames=num_frames,
-                   guidance_scale=args.guidance_scale)
+    options = dict(
+        num_steps=args.num_steps, height=height, width=width, num_frames=num_frames, guidance_scale=args.guidance_scale
+    )
     if args.sampler == "sde":
         options["noise_level"] = args.noise_level
     sampler = SAMPLERS.get(args.sampler)(**options)
@@ -197,8 +211,10 @@ def _build_reward(name: str, pairs: list[str] | None, device: str | None, dtype:
             if key not in params:
                 close = difflib.get_close_matches(key, settings, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(f"--set {key}=...: reward {name!r} has no setting {key!r}{hint}; "
-                                 f"its settings are {', '.join(settings) or 'none'}")
+                raise ValueError(
+                    f"--set {key}=...: reward {name!r} has no setting {key!r}{hint}; "
+                    f"its settings are {', '.join(settings) or 'none'}"
+                )
     for key in settings:
         if params[key].default is inspect.Parameter.empty and key not in kwargs:
             raise ValueError(f"reward {name!r} needs the setting {key!r}; pass --set {key}=VALUE")
@@ -228,11 +244,16 @@ def _run_rewards(args: argparse.Namespace) -> int:
     for name in REWARDS.names():
         cls = REWARDS.get(name)
         extras = list(getattr(cls, "extra_requires", ()))
-        rows.append({
-            "name": name, "modalities": list(cls.modalities), "differentiable": bool(cls.differentiable),
-            "extra_requires": extras, "installed": all(installed(e) for e in extras),
-            "missing": [e for e in extras if not installed(e)],
-        })
+        rows.append(
+            {
+                "name": name,
+                "modalities": list(cls.modalities),
+                "differentiable": bool(cls.differentiable),
+                "extra_requires": extras,
+                "installed": all(installed(e) for e in extras),
+                "missing": [e for e in extras if not installed(e)],
+            }
+        )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -267,14 +288,15 @@ def _run_score(args: argparse.Namespace) -> int:
 
     prompts = args.prompt * len(args.files) if len(args.prompt) == 1 else args.prompt
     if len(prompts) != len(args.files):
-        raise ValueError(f"--prompt given {len(args.prompt)} times for {len(args.files)} files; "
-                         "give one prompt, or one per file")
+        raise ValueError(f"--prompt given {len(args.prompt)} times for {len(args.files)} files; give one prompt, or one per file")
     # the files are read before the reward loads its weights, so a bad file fails at once
     modalities = REWARDS.get(args.reward).modalities
     video = "image" not in modalities or all(f.lower().endswith(media.VIDEO_SUFFIXES) or os.path.isdir(f) for f in args.files)
     if video and "video" not in modalities:
-        raise ValueError(f"file {args.files[0]!r} is a video or a folder of frames, but reward {args.reward!r} scores "
-                         f"{', '.join(modalities)} only; pass image files")
+        raise ValueError(
+            f"file {args.files[0]!r} is a video or a folder of frames, but reward {args.reward!r} scores "
+            f"{', '.join(modalities)} only; pass image files"
+        )
     images = media.load_videos(args.files) if video else media.load_images(args.files)
     reward = _build_reward(args.reward, args.set, args.device, args.dtype)
     try:
@@ -286,8 +308,9 @@ def _run_score(args: argparse.Namespace) -> int:
     scores = nan_to_none(out.scores.cpu().tolist())
     if args.json:
         parts = {k: nan_to_none(v.float().cpu().tolist()) for k, v in out.parts.items()}
-        rows = [{"file": f, "score": s, **{k: v[i] for k, v in parts.items()}}
-                for i, (f, s) in enumerate(zip(args.files, scores))]
+        rows = [
+            {"file": f, "score": s, **{k: v[i] for k, v in parts.items()}} for i, (f, s) in enumerate(zip(args.files, scores))
+        ]
         print(json.dumps(rows, indent=2))
     else:
         for f, s in zip(args.files, scores):
@@ -348,7 +371,9 @@ def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, s
         run_dir = getattr(config, "run_dir", None)  # output_dir / name
     else:
         if not os.path.isdir(checkpoint):
-            raise FileNotFoundError(f"--checkpoint {checkpoint!r} does not exist; pass a checkpoints/step_XXXXXX folder or 'base'")
+            raise FileNotFoundError(
+                f"--checkpoint {checkpoint!r} does not exist; pass a checkpoints/step_XXXXXX folder or 'base'"
+            )
         label = os.path.basename(os.path.normpath(checkpoint))
         match = re.fullmatch(r"step_(\d+)", label)
         step = int(match.group(1)) if match else 0
@@ -358,7 +383,9 @@ def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, s
     if out:
         return out, step, label
     if not run_dir:
-        raise ValueError(f"--out is not set and --checkpoint {checkpoint!r} is not inside runs/<name>/checkpoints/; pass --out DIR")
+        raise ValueError(
+            f"--out is not set and --checkpoint {checkpoint!r} is not inside runs/<name>/checkpoints/; pass --out DIR"
+        )
     return os.path.join(str(run_dir), "eval", label), step, label
 
 
@@ -389,11 +416,20 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="other run folders to show beside it")
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
     p.add_argument("--steps", nargs="+", type=int, default=None, help="eval steps shown beside base (default: all)")
-    p.add_argument("--hacking-margin", type=float, default=0.02,
-                   help="flag a gold reward or diversity that falls by more than this (absolute) while a training reward rises")
-    p.add_argument("--hacking-pair", action="append", default=[], metavar="GOLD=TRAIN",
-                   help="pair a gold reward with the training reward it also measures (repeatable), e.g. "
-                        "toy_exact=toy_attributes: flag GOLD when TRAIN gains more than the margin over it on the same samples")
+    p.add_argument(
+        "--hacking-margin",
+        type=float,
+        default=0.02,
+        help="flag a gold reward or diversity that falls by more than this (absolute) while a training reward rises",
+    )
+    p.add_argument(
+        "--hacking-pair",
+        action="append",
+        default=[],
+        metavar="GOLD=TRAIN",
+        help="pair a gold reward with the training reward it also measures (repeatable), e.g. "
+        "toy_exact=toy_attributes: flag GOLD when TRAIN gains more than the margin over it on the same samples",
+    )
     p.add_argument("--thumb", type=int, default=128, help="largest image height in the page and grids, in pixels")
 
 
@@ -406,11 +442,19 @@ def _run_report(args: argparse.Namespace) -> int:
         if not gold or not train:
             raise ValueError(f"--hacking-pair {value!r} must be GOLD=TRAIN (two reward names), e.g. toy_exact=toy_attributes")
         if gold in pairs:
-            raise ValueError(f"--hacking-pair pairs {gold!r} twice ({gold}={pairs[gold]} and {value}); "
-                             "give each gold reward once")
+            raise ValueError(
+                f"--hacking-pair pairs {gold!r} twice ({gold}={pairs[gold]} and {value}); give each gold reward once"
+            )
         pairs[gold] = train
-    result = build_report(args.run_dir, args.compare, args.out, steps=args.steps, hacking_margin=args.hacking_margin,
-                          hacking_pairs=pairs, thumb=args.thumb)
+    result = build_report(
+        args.run_dir,
+        args.compare,
+        args.out,
+        steps=args.steps,
+        hacking_margin=args.hacking_margin,
+        hacking_pairs=pairs,
+        thumb=args.thumb,
+    )
     for run, gap in result["gaps"]:
         print(f"gap: {run}: {gap}", file=sys.stderr)
     for run, flagged in result["flag_reasons"].items():

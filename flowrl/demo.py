@@ -46,10 +46,14 @@ def heldout_scores(model, num_seeds: int, num_steps: int, guidance_scale: float,
     judge = judge_accuracy(load_judge("attributes", judge_checkpoint), images, prompts)
     artifact = REWARDS.build("toy_artifact")(images, prompts, [{} for _ in prompts]).scores
     return {
-        "exact_accuracy": exact["accuracy"], "judge_accuracy": judge["accuracy"],
-        "impossible_count_rate": exact["impossible_count_rate"], "mixed_colour_rate": exact["mixed_colour_rate"],
-        "artifact": round(float(artifact.mean()), 4), "num_samples": len(prompts),
-        "exact": exact, "judge": judge,
+        "exact_accuracy": exact["accuracy"],
+        "judge_accuracy": judge["accuracy"],
+        "impossible_count_rate": exact["impossible_count_rate"],
+        "mixed_colour_rate": exact["mixed_colour_rate"],
+        "artifact": round(float(artifact.mean()), 4),
+        "num_samples": len(prompts),
+        "exact": exact,
+        "judge": judge,
     }
 
 
@@ -81,21 +85,34 @@ def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> di
     trainer.train()
     after = heldout_scores(trainer.model, SUMMARY_SEEDS, steps, guidance, judge)
     summary = {
-        "exact_accuracy_before": before["exact_accuracy"], "exact_accuracy_after": after["exact_accuracy"],
-        "judge_accuracy_before": before["judge_accuracy"], "judge_accuracy_after": after["judge_accuracy"],
-        "impossible_count_before": before["impossible_count_rate"], "impossible_count_after": after["impossible_count_rate"],
-        "mixed_colours_before": before["mixed_colour_rate"], "mixed_colours_after": after["mixed_colour_rate"],
-        "artifact_before": before["artifact"], "artifact_after": after["artifact"],
-        "wall_s": round(time.perf_counter() - started, 1), "seed": cfg.seed, "num_steps": cfg.num_steps,
-        "heldout_samples": before["num_samples"], "before": before, "after": after,
+        "exact_accuracy_before": before["exact_accuracy"],
+        "exact_accuracy_after": after["exact_accuracy"],
+        "judge_accuracy_before": before["judge_accuracy"],
+        "judge_accuracy_after": after["judge_accuracy"],
+        "impossible_count_before": before["impossible_count_rate"],
+        "impossible_count_after": after["impossible_count_rate"],
+        "mixed_colours_before": before["mixed_colour_rate"],
+        "mixed_colours_after": after["mixed_colour_rate"],
+        "artifact_before": before["artifact"],
+        "artifact_after": after["artifact"],
+        "wall_s": round(time.perf_counter() - started, 1),
+        "seed": cfg.seed,
+        "num_steps": cfg.num_steps,
+        "heldout_samples": before["num_samples"],
+        "before": before,
+        "after": after,
     }
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))  # before the report, which shows it
     pairs = hacking_pairs(cfg)
     report = build_report(cfg.run_dir, out_dir=cfg.run_dir / "report", hacking_pairs=pairs)
     reasons = report["flag_reasons"][next(iter(report["flag_reasons"]))]  # the one run's (eval, reward, reason)
-    summary.update({
-        "report": report["index"], "hacking_pairs": pairs,
-        "hacking_flagged": bool(reasons), "hacking_flags": [list(r) for r in reasons],
-    })
+    summary.update(
+        {
+            "report": report["index"],
+            "hacking_pairs": pairs,
+            "hacking_flagged": bool(reasons),
+            "hacking_flags": [list(r) for r in reasons],
+        }
+    )
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

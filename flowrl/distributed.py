@@ -39,7 +39,8 @@ def make_accelerator(cfg):
     sharded = _env_flag("ACCELERATE_USE_FSDP") or _env_flag("ACCELERATE_USE_DEEPSPEED")
     precision = {"fp32": "no"}.get(cfg.model.mixed_precision, cfg.model.mixed_precision) if sharded else "no"
     kwargs = dict(
-        mixed_precision=precision, log_with=trackers or None,
+        mixed_precision=precision,
+        log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir / "logs")),
     )
     cpu = cfg.device == "cpu"
@@ -96,14 +97,18 @@ class Sharding:
         self.kind = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed"}.get(kind)
         self.engine = None
         if self.kind == "fsdp" and not accelerator.is_fsdp2:
-            raise ValueError("FSDP version 1 is not supported: set fsdp_config.fsdp_version: 2 in the accelerate config "
-                             "(configs/accelerate/fsdp.yaml)")
+            raise ValueError(
+                "FSDP version 1 is not supported: set fsdp_config.fsdp_version: 2 in the accelerate config "
+                "(configs/accelerate/fsdp.yaml)"
+            )
         if self.kind == "deepspeed":
             stage = accelerator.state.deepspeed_plugin.zero_stage
             if stage not in (0, 1, 2):
-                raise ValueError(f"DeepSpeed zero_stage={stage} is not supported: use ZeRO-2 "
-                                 "(configs/accelerate/deepspeed_zero2.yaml); ZeRO-3 would shard the weights the "
-                                 "sampler reads outside the engine")
+                raise ValueError(
+                    f"DeepSpeed zero_stage={stage} is not supported: use ZeRO-2 "
+                    "(configs/accelerate/deepspeed_zero2.yaml); ZeRO-3 would shard the weights the "
+                    "sampler reads outside the engine"
+                )
 
     def prepare(self, module: torch.nn.Module, optimizer, micro_batch: int, max_grad_norm: float):
         """Hand module and optimizer to accelerate; returns the optimizer (FSDP2 shards `module` in place).
@@ -116,8 +121,12 @@ class Sharding:
             return optimizer
         if self.kind == "deepspeed":
             config = self.acc.state.deepspeed_plugin.deepspeed_config
-            config.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1,
-                          train_batch_size=micro_batch * self.acc.num_processes, gradient_clipping=max_grad_norm)
+            config.update(
+                train_micro_batch_size_per_gpu=micro_batch,
+                gradient_accumulation_steps=1,
+                train_batch_size=micro_batch * self.acc.num_processes,
+                gradient_clipping=max_grad_norm,
+            )
             self.engine, optimizer = self.acc.prepare(module, optimizer)
             return optimizer
         _, optimizer = self.acc.prepare(module, optimizer)
@@ -177,7 +186,9 @@ class Sharding:
         saved = optimizer.state_dict()
         index = {id(p): i for i, p in enumerate(q for g in optimizer.param_groups for q in g["params"])}
         by_position = {index[id(p)]: name for name, p in zip(names, params)}
-        state = {by_position[i]: {k: full(v) if torch.is_tensor(v) else v for k, v in s.items()} for i, s in saved["state"].items()}
+        state = {
+            by_position[i]: {k: full(v) if torch.is_tensor(v) else v for k, v in s.items()} for i, s in saved["state"].items()
+        }
         groups = [{**g, "params": [by_position[i] for i in g["params"]]} for g in saved["param_groups"]]
         return {"state": state, "param_groups": groups}
 
@@ -198,7 +209,9 @@ class Sharding:
             return
         position = {name: i for i, name in enumerate(names)}
         by_name = dict(zip(names, params))
-        state = {position[n]: {k: like(v, by_name[n]) if torch.is_tensor(v) and v.ndim > 0 else v for k, v in s.items()}
-                 for n, s in saved["state"].items()}
+        state = {
+            position[n]: {k: like(v, by_name[n]) if torch.is_tensor(v) and v.ndim > 0 else v for k, v in s.items()}
+            for n, s in saved["state"].items()
+        }
         groups = [{**g, "params": [position[n] for n in g["params"]]} for g in saved["param_groups"]]
         optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -101,8 +101,13 @@ def _environment(model: FlowModel) -> dict[str, str]:
 
     device = torch.device(model.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    env = {"family": str(model.family), "device": str(device), "device_name": name, "dtype": str(model.dtype).replace("torch.", ""),
-           "python": sys.version.split()[0]}
+    env = {
+        "family": str(model.family),
+        "device": str(device),
+        "device_name": name,
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "python": sys.version.split()[0],
+    }
     for package in ("torch", "diffusers", "transformers", "flowrl"):
         try:
             env[package] = version(package)
@@ -111,8 +116,15 @@ def _environment(model: FlowModel) -> dict[str, str]:
     return env
 
 
-def _check_inputs(model: FlowModel, rewards: dict[str, Reward], prompts: list[str], seeds: list[int],
-                  train_reward_names: list[str], batch_size: int, metadata: list[dict] | None) -> None:
+def _check_inputs(
+    model: FlowModel,
+    rewards: dict[str, Reward],
+    prompts: list[str],
+    seeds: list[int],
+    train_reward_names: list[str],
+    batch_size: int,
+    metadata: list[dict] | None,
+) -> None:
     if not prompts or isinstance(prompts, str):
         raise ValueError(f"evaluate: prompts={prompts!r} must be a non-empty list of strings; set eval.prompts in the config")
     if not seeds or isinstance(seeds, int):
@@ -122,22 +134,40 @@ def _check_inputs(model: FlowModel, rewards: dict[str, Reward], prompts: list[st
     if batch_size < 1:
         raise ValueError(f"evaluate: batch_size={batch_size} must be >= 1")
     if metadata is not None and len(metadata) != len(prompts):
-        raise ValueError(f"evaluate: {len(metadata)} metadata entries for {len(prompts)} prompts; give one dict per prompt or None")
+        raise ValueError(
+            f"evaluate: {len(metadata)} metadata entries for {len(prompts)} prompts; give one dict per prompt or None"
+        )
     unknown = [n for n in train_reward_names if n not in rewards]
     if unknown:
-        raise ValueError(f"evaluate: train_reward_names {unknown} are not in rewards {sorted(rewards)}; pass every training reward in `rewards`")
+        raise ValueError(
+            f"evaluate: train_reward_names {unknown} are not in rewards {sorted(rewards)}; pass every training reward in `rewards`"
+        )
     modality = "video" if model.is_video else "image"
     for name, reward in rewards.items():
         if modality not in getattr(reward, "modalities", ("image",)):
-            raise ValueError(f"evaluate: reward {name!r} scores {tuple(reward.modalities)} but the model makes {modality}s; "
-                             f"use a {modality} reward (e.g. wrap it with per_frame)")
+            raise ValueError(
+                f"evaluate: reward {name!r} scores {tuple(reward.modalities)} but the model makes {modality}s; "
+                f"use a {modality} reward (e.g. wrap it with per_frame)"
+            )
 
 
 @torch.no_grad()
-def evaluate(model: FlowModel, rewards: dict[str, Reward], out_dir: str | os.PathLike, *, prompts: list[str],
-             seeds: list[int], sampler: Any, train_reward_names: list[str], step: int, label: str,
-             batch_size: int = 16, metadata: list[dict] | None = None,
-             diversity_features: DiversityFeatures | None = None, weights: str | None = None) -> dict:
+def evaluate(
+    model: FlowModel,
+    rewards: dict[str, Reward],
+    out_dir: str | os.PathLike,
+    *,
+    prompts: list[str],
+    seeds: list[int],
+    sampler: Any,
+    train_reward_names: list[str],
+    step: int,
+    label: str,
+    batch_size: int = 16,
+    metadata: list[dict] | None = None,
+    diversity_features: DiversityFeatures | None = None,
+    weights: str | None = None,
+) -> dict:
     """Sample every prompt x seed with `sampler`, score with every reward, write out_dir/scores.json + images.
 
     `rewards` holds training and gold rewards by name; those named in `train_reward_names` are the training
@@ -156,7 +186,7 @@ def evaluate(model: FlowModel, rewards: dict[str, Reward], out_dir: str | os.Pat
     samples: list[dict[str, Any]] = []
     features: list[torch.Tensor] = []  # [b, D] per batch
     for begin in range(0, len(pairs), batch_size):
-        chunk = pairs[begin:begin + batch_size]
+        chunk = pairs[begin : begin + batch_size]
         batch = PromptBatch(
             prompts=[prompts[p] for p, _ in chunk],
             group_ids=torch.tensor([p for p, _ in chunk], dtype=torch.int64),  # [b]
@@ -164,12 +194,16 @@ def evaluate(model: FlowModel, rewards: dict[str, Reward], out_dir: str | os.Pat
             seeds=torch.tensor([seeds[s] for _, s in chunk], dtype=torch.int64),  # [b]
         )
         images = sampler(model, batch).images.detach().float().clamp(0, 1)  # [b, 3, H, W] or [b, F, 3, H, W], model device
-        scores = {name: nan_to_none(score_checked(reward, images, batch.prompts, batch.metadata).scores.cpu().tolist())
-                  for name, reward in rewards.items()}
+        scores = {
+            name: nan_to_none(score_checked(reward, images, batch.prompts, batch.metadata).scores.cpu().tolist())
+            for name, reward in rewards.items()
+        }
         feats = featurize(images)
         if not isinstance(feats, torch.Tensor) or feats.dim() != 2 or feats.shape[0] != len(chunk):
-            raise ValueError(f"evaluate: diversity_features returned {getattr(feats, 'shape', type(feats))}; it must map "
-                             f"[M, ...] images to [M, D] features")
+            raise ValueError(
+                f"evaluate: diversity_features returned {getattr(feats, 'shape', type(feats))}; it must map "
+                f"[M, ...] images to [M, D] features"
+            )
         features.append(feats.detach().float().cpu())
         images = images.cpu()
         for k, (p, s) in enumerate(chunk):
@@ -186,10 +220,12 @@ def evaluate(model: FlowModel, rewards: dict[str, Reward], out_dir: str | os.Pat
             samples.append(sample)
 
     all_features = torch.cat(features)  # [P*S, D]
-    per_prompt = {name: [nanmean([samples[p * num_seeds + s]["scores"][name] for s in range(num_seeds)])
-                         for p in range(num_prompts)] for name in rewards}
+    per_prompt = {
+        name: [nanmean([samples[p * num_seeds + s]["scores"][name] for s in range(num_seeds)]) for p in range(num_prompts)]
+        for name in rewards
+    }
     means = {name: nanmean([sample["scores"][name] for sample in samples]) for name in rewards}
-    diversity = [mean_pairwise_distance(all_features[p * num_seeds:(p + 1) * num_seeds]) for p in range(num_prompts)]
+    diversity = [mean_pairwise_distance(all_features[p * num_seeds : (p + 1) * num_seeds]) for p in range(num_prompts)]
     result = {
         "format": SCORES_FORMAT,
         "step": int(step),
@@ -198,8 +234,10 @@ def evaluate(model: FlowModel, rewards: dict[str, Reward], out_dir: str | os.Pat
         "prompts": list(prompts),
         "seeds": [int(s) for s in seeds],
         "metadata": metadata,
-        "rewards": {"train": [n for n in rewards if n in train_reward_names],
-                    "gold": [n for n in rewards if n not in train_reward_names]},
+        "rewards": {
+            "train": [n for n in rewards if n in train_reward_names],
+            "gold": [n for n in rewards if n not in train_reward_names],
+        },
         "samples": samples,
         "per_prompt": per_prompt,
         "means": means,
@@ -223,8 +261,15 @@ class Evaluator:
     (`sampler_defaults`, its YAML kwargs), else the model's native size and default guidance.
     """
 
-    def __init__(self, model: FlowModel, rewards: dict[str, Reward], gold_rewards: dict[str, Reward], eval_cfg,
-                 sampler_defaults: dict, prompts: list[str]):
+    def __init__(
+        self,
+        model: FlowModel,
+        rewards: dict[str, Reward],
+        gold_rewards: dict[str, Reward],
+        eval_cfg,
+        sampler_defaults: dict,
+        prompts: list[str],
+    ):
         e, d = eval_cfg, sampler_defaults
         self.model, self.cfg = model, e
         self.train_reward_names = list(rewards)
@@ -234,9 +279,12 @@ class Evaluator:
         self.rewards = {**rewards, **gold_rewards}
         self.prompts = prompts[: e.num_prompts] if e.num_prompts else list(prompts)
         self.sampler = ODESampler(
-            num_steps=e.num_steps, height=e.height or d.get("height"), width=e.width or d.get("width"),
+            num_steps=e.num_steps,
+            height=e.height or d.get("height"),
+            width=e.width or d.get("width"),
             num_frames=e.num_frames or d.get("num_frames"),
-            guidance_scale=e.guidance_scale if e.guidance_scale is not None else d.get("guidance_scale"), scheduler=e.scheduler,
+            guidance_scale=e.guidance_scale if e.guidance_scale is not None else d.get("guidance_scale"),
+            scheduler=e.scheduler,
         )
 
     @classmethod
@@ -250,14 +298,27 @@ class Evaluator:
         rewards = rewards if rewards is not None else build_rewards(cfg.rewards, model.device)
         return cls(model, rewards, build_rewards(e.gold_rewards, model.device), e, dict(cfg.sampler.kwargs), prompts)
 
-    def run(self, out_dir: str | os.PathLike, step: int, label: str, weights: str | None = None,
-            batch_size: int | None = None) -> dict:
+    def run(
+        self, out_dir: str | os.PathLike, step: int, label: str, weights: str | None = None, batch_size: int | None = None
+    ) -> dict:
         self.model.transformer.eval()
-        return evaluate(self.model, self.rewards, out_dir, prompts=self.prompts, seeds=list(self.cfg.seeds), sampler=self.sampler,
-                        train_reward_names=self.train_reward_names, step=step, label=label,
-                        batch_size=batch_size or self.cfg.batch_size, weights=weights)
+        return evaluate(
+            self.model,
+            self.rewards,
+            out_dir,
+            prompts=self.prompts,
+            seeds=list(self.cfg.seeds),
+            sampler=self.sampler,
+            train_reward_names=self.train_reward_names,
+            step=step,
+            label=label,
+            batch_size=batch_size or self.cfg.batch_size,
+            weights=weights,
+        )
 
-    def run_in_training(self, accelerator, every_process: bool, out_dir: Path, step: int, label: str, weights: str) -> dict | None:
+    def run_in_training(
+        self, accelerator, every_process: bool, out_dir: Path, step: int, label: str, weights: str
+    ) -> dict | None:
         """The in-training eval: the main process writes `out_dir`; with `every_process` (FSDP2 gathers weights
         inside every forward) the other processes run it too, into a scratch folder. Returns the main's result."""
         import tempfile

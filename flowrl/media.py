@@ -30,14 +30,18 @@ def load_image(path: str) -> torch.Tensor:
         with Image.open(path) as image:
             return _to_tensor(image)
     except OSError as err:  # PIL.UnidentifiedImageError (not an image), a truncated or unsupported file
-        raise ValueError(f"image file {path!r} is not a readable image ({' '.join(str(err).split())}); "
-                         f"pass a PNG or JPEG ({', '.join(IMAGE_SUFFIXES)})") from None
+        raise ValueError(
+            f"image file {path!r} is not a readable image ({' '.join(str(err).split())}); "
+            f"pass a PNG or JPEG ({', '.join(IMAGE_SUFFIXES)})"
+        ) from None
 
 
 def _stack(tensors: list[torch.Tensor], paths: list[str], what: str) -> torch.Tensor:
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) > 1:
-        raise ValueError(f"{what} have different sizes {sorted(shapes)} ({paths[0]} ...); resize them to one size or score them separately")
+        raise ValueError(
+            f"{what} have different sizes {sorted(shapes)} ({paths[0]} ...); resize them to one size or score them separately"
+        )
     return torch.stack(tensors)
 
 
@@ -51,7 +55,9 @@ def load_video(path: str) -> torch.Tensor:
     if os.path.isdir(path):
         frames = sorted(os.path.join(path, f) for f in os.listdir(path) if f.lower().endswith(IMAGE_SUFFIXES))
         if not frames:
-            raise FileNotFoundError(f"video folder {path!r} holds no frame images ({', '.join(IMAGE_SUFFIXES)}); put the frames there")
+            raise FileNotFoundError(
+                f"video folder {path!r} holds no frame images ({', '.join(IMAGE_SUFFIXES)}); put the frames there"
+            )
         return _stack([load_image(f) for f in frames], frames, "frames")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"video {path!r} does not exist; pass a GIF/MP4 file or a folder of frames")

@@ -54,7 +54,12 @@ class LossScaler:
     so every process keeps the same scale under data parallel and FSDP2."""
 
     def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000):
-        self.enabled, self.scale, self.growth_interval, self.good_steps = enabled, init_scale if enabled else 1.0, growth_interval, 0
+        self.enabled, self.scale, self.growth_interval, self.good_steps = (
+            enabled,
+            init_scale if enabled else 1.0,
+            growth_interval,
+            0,
+        )
 
     def update(self, overflow: bool) -> None:
         if not self.enabled:
@@ -76,14 +81,21 @@ class LossScaler:
 class OptimizerStep:
     """AdamW + warm-up schedule over the module's trainable parameters, prepared for the run's sharding."""
 
-    def __init__(self, accelerator, module: torch.nn.Module, cfg: OptimizerConfig, micro_batch: int, mixed_precision: str = "fp32"):
+    def __init__(
+        self, accelerator, module: torch.nn.Module, cfg: OptimizerConfig, micro_batch: int, mixed_precision: str = "fp32"
+    ):
         self.acc, self.cfg = accelerator, cfg
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters: set model.use_lora=true or train the full model")
-        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                      weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
+        optimizer = torch.optim.AdamW(
+            params,
+            lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            weight_decay=cfg.adam_weight_decay,
+            eps=cfg.adam_epsilon,
+        )
         warmup = max(cfg.lr_warmup_steps, 0)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
         # data parallel keeps the module and optimizer; FSDP2 shards both in place, ZeRO-2 wraps the optimizer
@@ -141,7 +153,8 @@ class OptimizerStep:
             if self.nan_streak >= self.cfg.max_consecutive_nan_steps:
                 raise FloatingPointError(
                     f"{self.nan_streak} optimizer steps in a row had a non-finite loss or gradient; lower "
-                    "train.learning_rate or train.clip_range, or check the rewards")
+                    "train.learning_rate or train.clip_range, or check the rewards"
+                )
             if self.sharding.kind != "deepspeed":
                 return False
         else:
@@ -169,15 +182,23 @@ class OptimizerStep:
             offset += g.numel()
 
     def metrics(self) -> dict[str, float]:
-        return {"train/grad_norm": self.last_grad_norm, "train/optimizer_steps": float(self.optimizer_steps),
-                "train/lr": self.lr_scheduler.get_last_lr()[0], "train/loss_scale": self.scaler.scale,
-                **{f"train/{k}": float(v) for k, v in self.counters.items()}}
+        return {
+            "train/grad_norm": self.last_grad_norm,
+            "train/optimizer_steps": float(self.optimizer_steps),
+            "train/lr": self.lr_scheduler.get_last_lr()[0],
+            "train/loss_scale": self.scaler.scale,
+            **{f"train/{k}": float(v) for k, v in self.counters.items()},
+        }
 
     # -------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """Counters and the loss scale (JSON); tensors are saved through `full_state`."""
-        return {"optimizer_steps": self.optimizer_steps, "nan_streak": self.nan_streak, "counters": dict(self.counters),
-                "loss_scaler": self.scaler.state_dict()}
+        return {
+            "optimizer_steps": self.optimizer_steps,
+            "nan_streak": self.nan_streak,
+            "counters": dict(self.counters),
+            "loss_scaler": self.scaler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer_steps, self.nan_streak = int(state["optimizer_steps"]), int(state["nan_streak"])
@@ -190,8 +211,10 @@ class OptimizerStep:
         (a data-parallel process that does not write); under FSDP2 / ZeRO-2 every process must gather."""
         if not (gather or self.sharding.kind is not None):
             return {}, {}
-        return (self.sharding.full_parameters(self.names, self.params),
-                self.sharding.optimizer_state(self.optimizer, self.names, self.params, self.optimizer_steps))
+        return (
+            self.sharding.full_parameters(self.names, self.params),
+            self.sharding.optimizer_state(self.optimizer, self.names, self.params, self.optimizer_steps),
+        )
 
     def load_full_state(self, trainable: dict, optimizer_state: dict, lr_scheduler: dict) -> None:
         self.sharding.load_parameters(self.names, self.params, trainable)

@@ -1,8 +1,8 @@
 """Prompts are data: loading prompt lists, and the grouped sampler that turns them into each step's batch.
 
-    prompts = load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data")
-    sampler = GroupedPromptSampler(prompts, num_prompts_per_step=8, group_size=8, seed=0)
-    batch = sampler.local_batch(step, accelerator.process_index, accelerator.num_processes)
+prompts = load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data")
+sampler = GroupedPromptSampler(prompts, num_prompts_per_step=8, group_size=8, seed=0)
+batch = sampler.local_batch(step, accelerator.process_index, accelerator.num_processes)
 """
 
 from __future__ import annotations
@@ -22,12 +22,16 @@ def load_prompts(prompts: list[str] | None, prompts_file: str | None, toy_split:
     elif prompts_file is not None:
         path = Path(prompts_file)
         if not path.is_file():
-            raise FileNotFoundError(f"{where}.prompts_file={prompts_file!r} does not exist; give a text file with one prompt per line")
+            raise FileNotFoundError(
+                f"{where}.prompts_file={prompts_file!r} does not exist; give a text file with one prompt per line"
+            )
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
-            raise ValueError(f"{where}.prompts_file={prompts_file!r} is not UTF-8 text (byte {err.start}); "
-                             "give a text file with one prompt per line") from None
+            raise ValueError(
+                f"{where}.prompts_file={prompts_file!r} is not UTF-8 text (byte {err.start}); "
+                "give a text file with one prompt per line"
+            ) from None
         out = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     elif toy_split is not None:
         from flowrl.toy.world import split_prompts
@@ -65,16 +69,26 @@ class GroupedPromptSampler:
         group_ids = torch.arange(self.b).repeat_interleave(self.g)  # [B*G]
         seeds = torch.tensor([seed_formulas.sample_seed(self.seed, step, j) for j in range(self.b * self.g)])  # [B*G]
         group_seeds = seeds[group_ids * self.g]  # [B*G] the seed of each group's first sample
-        return PromptBatch(prompts, group_ids, [{} for _ in prompts], seeds=seeds,
-                           global_index=torch.arange(self.b * self.g), group_seeds=group_seeds)
+        return PromptBatch(
+            prompts,
+            group_ids,
+            [{} for _ in prompts],
+            seeds=seeds,
+            global_index=torch.arange(self.b * self.g),
+            group_seeds=group_seeds,
+        )
 
     def local_batch(self, step: int, process_index: int, num_processes: int) -> PromptBatch:
         total = self.b * self.g
         if total % num_processes:
-            raise ValueError(f"data.num_prompts_per_step * data.group_size = {total} does not divide across "
-                             f"{num_processes} processes; make it a multiple of {num_processes}")
+            raise ValueError(
+                f"data.num_prompts_per_step * data.group_size = {total} does not divide across "
+                f"{num_processes} processes; make it a multiple of {num_processes}"
+            )
         if self.whole_groups and self.b % num_processes:
-            raise ValueError(f"data.num_prompts_per_step={self.b} does not divide across {num_processes} processes, "
-                             f"which keeping whole groups on one process needs; make it a multiple of {num_processes}")
+            raise ValueError(
+                f"data.num_prompts_per_step={self.b} does not divide across {num_processes} processes, "
+                f"which keeping whole groups on one process needs; make it a multiple of {num_processes}"
+            )
         n = total // num_processes
         return self.global_batch(step).select(slice(process_index * n, (process_index + 1) * n))

@@ -14,8 +14,9 @@ import torch
 from flowrl.types import RewardOutput
 
 
-def check_inputs(name: str, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]],
-                 modality: str = "image") -> None:
+def check_inputs(
+    name: str, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]], modality: str = "image"
+) -> None:
     """Validate one reward call: images [N, 3, H, W] (video [N, F, 3, H, W]) float in [0, 1], N prompts/metadata."""
     if not isinstance(images, torch.Tensor):
         raise ValueError(f"{name}: images is a {type(images).__name__}; pass a torch.Tensor")
@@ -30,7 +31,9 @@ def check_inputs(name: str, images: torch.Tensor, prompts: list[str], metadata: 
     if images.numel() > 0:
         lo, hi = float(images.detach().min()), float(images.detach().max())
         if not (lo >= 0.0 and hi <= 1.0):  # also catches NaN
-            raise ValueError(f"{name}: images range [{lo:.4g}, {hi:.4g}] is outside [0, 1]; map [-1, 1] images with (x + 1) / 2 and clamp")
+            raise ValueError(
+                f"{name}: images range [{lo:.4g}, {hi:.4g}] is outside [0, 1]; map [-1, 1] images with (x + 1) / 2 and clamp"
+            )
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
         raise ValueError(f"{name}: prompts is a {type(prompts).__name__}; pass a list of strings, one per {modality}")
     if len(prompts) == 0:
@@ -38,23 +41,33 @@ def check_inputs(name: str, images: torch.Tensor, prompts: list[str], metadata: 
     if len(prompts) != images.shape[0]:
         raise ValueError(f"{name}: {len(prompts)} prompts for {images.shape[0]} {modality}s; pass one prompt per {modality}")
     if metadata is not None and len(metadata) != images.shape[0]:
-        raise ValueError(f"{name}: {len(metadata)} metadata entries for {images.shape[0]} {modality}s; pass one dict per {modality} (or [{{}}] * N)")
+        raise ValueError(
+            f"{name}: {len(metadata)} metadata entries for {images.shape[0]} {modality}s; pass one dict per {modality} (or [{{}}] * N)"
+        )
 
 
 def check_scores(name: str, scores: torch.Tensor, num: int) -> torch.Tensor:
     """A reward's output must be [N] floats; returns it as float32. +-inf is an error (NaN = not applicable)."""
     if not isinstance(scores, torch.Tensor):
-        raise ValueError(f"{name}: returned scores of type {type(scores).__name__}; a reward must return RewardOutput(scores=[N] tensor)")
+        raise ValueError(
+            f"{name}: returned scores of type {type(scores).__name__}; a reward must return RewardOutput(scores=[N] tensor)"
+        )
     if scores.dim() != 1 or scores.shape[0] != num:
-        raise ValueError(f"{name}: returned scores of shape {tuple(scores.shape)} for {num} samples; a reward must return [N] scores")
+        raise ValueError(
+            f"{name}: returned scores of shape {tuple(scores.shape)} for {num} samples; a reward must return [N] scores"
+        )
     scores = scores.float()
     bad = torch.isinf(scores.detach()).nonzero().flatten().tolist()
     if bad:
-        raise ValueError(f"{name}: non-finite score {float(scores[bad[0]])} at sample index {bad[0]}; fix the reward or drop that sample")
+        raise ValueError(
+            f"{name}: non-finite score {float(scores[bad[0]])} at sample index {bad[0]}; fix the reward or drop that sample"
+        )
     return scores
 
 
-def score_checked(reward: Any, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None) -> RewardOutput:
+def score_checked(
+    reward: Any, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None
+) -> RewardOutput:
     """Call a reward and check its output; a failure is reported with the reward's name and the sample index."""
     name = getattr(reward, "registry_name", type(reward).__name__)
     metadata = metadata if metadata is not None else [{} for _ in prompts]

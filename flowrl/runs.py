@@ -1,13 +1,13 @@
 """The run folder: the one owner of `<output_dir>/<name>/...` paths, and the run's metric log.
 
-    runs/<name>/
-      config.yaml              the resolved config
-      launch.json              processes, distributed type, sharding, precision, device
-      metrics.jsonl            one JSON line per training step ({"step": s, "time": t, metric: value, ...})
-      checkpoints/step_XXXXXX/ full training state (flowrl.checkpoint)
-      eval/base, eval/step_XXXXXX/   scores.json + images (flowrl.evaluation)
-      report/                  index.html and grids (flowrl.report)
-      summary.json             `flowrl demo`'s before/after numbers
+runs/<name>/
+  config.yaml              the resolved config
+  launch.json              processes, distributed type, sharding, precision, device
+  metrics.jsonl            one JSON line per training step ({"step": s, "time": t, metric: value, ...})
+  checkpoints/step_XXXXXX/ full training state (flowrl.checkpoint)
+  eval/base, eval/step_XXXXXX/   scores.json + images (flowrl.evaluation)
+  report/                  index.html and grids (flowrl.report)
+  summary.json             `flowrl demo`'s before/after numbers
 """
 
 from __future__ import annotations
@@ -59,10 +59,18 @@ class RunFolder:
         self.root.mkdir(parents=True, exist_ok=True)
         if accelerator.is_main_process:
             self.config.write_text(config_yaml)
-            self.launch.write_text(json.dumps({
-                "num_processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.name,
-                "sharding": sharding or "none", "mixed_precision": mixed_precision, "device": str(accelerator.device),
-            }, indent=2))
+            self.launch.write_text(
+                json.dumps(
+                    {
+                        "num_processes": accelerator.num_processes,
+                        "distributed_type": accelerator.distributed_type.name,
+                        "sharding": sharding or "none",
+                        "mixed_precision": mixed_precision,
+                        "device": str(accelerator.device),
+                    },
+                    indent=2,
+                )
+            )
 
     def log(self, accelerator, step: int, metrics: dict) -> None:
         """Append one step's finite scalar metrics to metrics.jsonl and hand them to the trackers."""
@@ -103,6 +111,9 @@ def show_progress(bar, metrics: dict) -> None:
     if bar is None:
         return
     bar.update(1)
-    shown = {k.split("/")[-2] if k.startswith("reward/") else k.split("/")[-1]: f"{v:.3g}"
-             for k, v in metrics.items() if (k.endswith("/mean") and k.startswith("reward/")) or k == "train/loss"}
+    shown = {
+        k.split("/")[-2] if k.startswith("reward/") else k.split("/")[-1]: f"{v:.3g}"
+        for k, v in metrics.items()
+        if (k.endswith("/mean") and k.startswith("reward/")) or k == "train/loss"
+    }
     bar.set_postfix(shown)

@@ -45,9 +45,12 @@ class Scores:
     def concat(cls, parts: list[Scores]) -> Scores:
         names = list(parts[0].scores)
         errors = {name: sum(p.errors.get(name, 0) for p in parts) for name in names}
-        return cls({name: torch.cat([p.scores[name] for p in parts]) for name in names},
-                   torch.cat([p.failed for p in parts]), {k: v for k, v in errors.items() if v},
-                   sum(p.seconds for p in parts))
+        return cls(
+            {name: torch.cat([p.scores[name] for p in parts]) for name in names},
+            torch.cat([p.failed for p in parts]),
+            {k: v for k, v in errors.items() if v},
+            sum(p.seconds for p in parts),
+        )
 
 
 def _score_each(reward, images, prompts, metadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +69,9 @@ def _score_each(reward, images, prompts, metadata) -> tuple[torch.Tensor, torch.
     return torch.stack(values), torch.tensor(failed)
 
 
-def score_batch(rewards: dict[str, Any], images: torch.Tensor, prompts: list[str], metadata: list[dict], policy: str,
-                offset: int = 0) -> Scores:
+def score_batch(
+    rewards: dict[str, Any], images: torch.Tensor, prompts: list[str], metadata: list[dict], policy: str, offset: int = 0
+) -> Scores:
     """Score one chunk with every reward under the error policy; `offset` places the chunk in error messages."""
     if policy not in POLICIES:
         raise ValueError(f"on_reward_error={policy!r} must be 'raise' or 'skip_sample'")
@@ -113,7 +117,9 @@ class Scorer:
             self._pool.shutdown()
 
 
-def gather_scores(accelerator, local: Scores, group_ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, int]:
+def gather_scores(
+    accelerator, local: Scores, group_ids: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, int]:
     """All processes' scores in global order: ({name: [B*G]}, failed [B*G], group_ids [B*G], error count)."""
     device = accelerator.device
     scores = {name: accelerator.gather(s.to(device)).cpu() for name, s in local.scores.items()}

@@ -113,8 +113,7 @@ def _scheduler_settings(config: Mapping, allow_inverted: bool) -> dict:
             raise ValueError(f"scheduler config {key}={settings[key]!r} is not supported: set it to False")
     if settings["time_shift_type"] not in ("exponential", "linear"):
         raise ValueError(
-            f"scheduler config time_shift_type={settings['time_shift_type']!r} is unknown: "
-            "use 'exponential' or 'linear'"
+            f"scheduler config time_shift_type={settings['time_shift_type']!r} is unknown: use 'exponential' or 'linear'"
         )
     if settings["invert_sigmas"] and not allow_inverted:
         raise ValueError(
@@ -158,15 +157,11 @@ def scheduler_sigmas(
     if not (isinstance(num_steps, (int, np.integer)) and num_steps >= 1):
         raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1")
     if settings["use_dynamic_shifting"] and mu is None:
-        raise ValueError(
-            "mu=None but the scheduler config has use_dynamic_shifting=True: pass mu=calculate_shift(image_seq_len)"
-        )
+        raise ValueError("mu=None but the scheduler config has use_dynamic_shifting=True: pass mu=calculate_shift(image_seq_len)")
     if sigmas is not None and len(sigmas) != num_steps:
         raise ValueError(f"sigmas has {len(sigmas)} values but num_steps={num_steps}: pass one sigma per step")
     if settings["shift_terminal"] and num_steps == 1:
-        raise ValueError(
-            "num_steps=1 with scheduler config shift_terminal set gives NaN sigmas (0/0): use num_steps >= 2"
-        )
+        raise ValueError("num_steps=1 with scheduler config shift_terminal set gives NaN sigmas (0/0): use num_steps >= 2")
 
     num_train = int(settings["num_train_timesteps"])
     shift = settings["shift"]
@@ -285,8 +280,7 @@ def _as_float32(value: float | torch.Tensor, name: str, num_samples: int, device
     tensor = torch.as_tensor(value, dtype=torch.float32)
     if tensor.ndim > 1 or (tensor.ndim == 1 and tensor.shape[0] != num_samples):
         raise ValueError(
-            f"{name} has shape {tuple(tensor.shape)} but the batch has N={num_samples} samples: "
-            "pass a float or a Tensor [N]"
+            f"{name} has shape {tuple(tensor.shape)} but the batch has N={num_samples} samples: pass a float or a Tensor [N]"
         )
     return tensor.to(device) if tensor.ndim == 1 else tensor
 
@@ -425,9 +419,7 @@ def sde_step(
     if x.ndim < 2:
         raise ValueError(f"x has shape {tuple(x.shape)}: latents must be [N, ...] with at least one non-batch dim")
     if v.shape != x.shape:
-        raise ValueError(
-            f"v has shape {tuple(v.shape)} but x has {tuple(x.shape)}: the velocity must match the latents"
-        )
+        raise ValueError(f"v has shape {tuple(v.shape)} but x has {tuple(x.shape)}: the velocity must match the latents")
     if prev_sample is not None and prev_sample.shape != x.shape:
         raise ValueError(
             f"prev_sample has shape {tuple(prev_sample.shape)} but x has {tuple(x.shape)}: pass the stored next latents"
@@ -511,8 +503,7 @@ def gaussian_kl(
         raise ValueError(f"reduce={reduce!r} is unknown: use 'mean', 'sum' or None (the form's own)")
     if mean.shape != ref_mean.shape:
         raise ValueError(
-            f"ref_mean has shape {tuple(ref_mean.shape)} but mean has {tuple(mean.shape)}: "
-            "compute both on the same batch"
+            f"ref_mean has shape {tuple(ref_mean.shape)} but mean has {tuple(mean.shape)}: compute both on the same batch"
         )
     if mean.ndim < 2:
         raise ValueError(f"mean has shape {tuple(mean.shape)}: means must be [N, ...] with at least one non-batch dim")

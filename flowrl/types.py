@@ -61,8 +61,14 @@ class PromptBatch:
         def pick(t):
             return None if t is None else t[index]
 
-        return PromptBatch([self.prompts[i] for i in index], self.group_ids[index], [self.metadata[i] for i in index],
-                           seeds=pick(self.seeds), global_index=pick(self.global_index), group_seeds=pick(self.group_seeds))
+        return PromptBatch(
+            [self.prompts[i] for i in index],
+            self.group_ids[index],
+            [self.metadata[i] for i in index],
+            seeds=pick(self.seeds),
+            global_index=pick(self.global_index),
+            group_seeds=pick(self.group_seeds),
+        )
 
 
 @dataclass
@@ -140,11 +146,19 @@ class Rollout:
             else:
                 raise ValueError(f"Rollout.concat: extra {key!r} is neither per-sample nor equal in every part")
         return cls(
-            latents=torch.cat([p.latents for p in parts]), log_probs=torch.cat([p.log_probs for p in parts]),
-            sigmas=first.sigmas, images=torch.cat([p.images for p in parts]), group_ids=torch.cat([p.group_ids for p in parts]),
-            prompts=[x for p in parts for x in p.prompts], cond=concat_cond([p.cond for p in parts]),
-            noise_levels=torch.cat([p.noise_levels for p in parts]), rule=first.rule, transitions=transitions,
-            guidance_scale=first.guidance_scale, metadata=[x for p in parts for x in p.metadata], extras=extras,
+            latents=torch.cat([p.latents for p in parts]),
+            log_probs=torch.cat([p.log_probs for p in parts]),
+            sigmas=first.sigmas,
+            images=torch.cat([p.images for p in parts]),
+            group_ids=torch.cat([p.group_ids for p in parts]),
+            prompts=[x for p in parts for x in p.prompts],
+            cond=concat_cond([p.cond for p in parts]),
+            noise_levels=torch.cat([p.noise_levels for p in parts]),
+            rule=first.rule,
+            transitions=transitions,
+            guidance_scale=first.guidance_scale,
+            metadata=[x for p in parts for x in p.metadata],
+            extras=extras,
         )
 
 
@@ -181,7 +195,11 @@ class FlowModel(Protocol):
         """Shape of one sample's latents, exactly as the diffusers pipeline lays them out."""
 
     def prepare_latents(
-        self, num: int, height: int, width: int, generator: torch.Generator | list[torch.Generator] | None,
+        self,
+        num: int,
+        height: int,
+        width: int,
+        generator: torch.Generator | list[torch.Generator] | None,
         num_frames: int | None = None,
     ) -> torch.Tensor:
         """Initial noise [num, *latent_shape] float32, identical to the pipeline's for the same generator."""
@@ -213,7 +231,11 @@ ScoreFn = Callable[[torch.Tensor, list[str], list[dict[str, Any]]], torch.Tensor
 
 class Sampler(Protocol):
     def __call__(
-        self, model: FlowModel, batch: PromptBatch, generator: torch.Generator | None = None,
-        score_fn: ScoreFn | None = None, step: int = 0,
+        self,
+        model: FlowModel,
+        batch: PromptBatch,
+        generator: torch.Generator | None = None,
+        score_fn: ScoreFn | None = None,
+        step: int = 0,
     ) -> Rollout:
         """`step` is the training step (samplers whose schedule moves with training read it)."""

@@ -39,13 +39,17 @@ class VLMArtifactJudge:
             self.processor = AutoProcessor.from_pretrained(model_name, local_files_only=True)
             self.model = AutoModelForImageTextToText.from_pretrained(model_name, local_files_only=True, dtype=dtype)
         except OSError:
-            raise FileNotFoundError(f"artifact: VLM {model_name!r} is neither a local folder nor in the HF cache; get it with `huggingface-cli download {model_name}`") from None
+            raise FileNotFoundError(
+                f"artifact: VLM {model_name!r} is neither a local folder nor in the HF cache; get it with `huggingface-cli download {model_name}`"
+            ) from None
         self.model = self.model.to(device).eval().requires_grad_(False)
         self.device, self.question = device, question or ARTIFACT_QUESTION
         tokenizer = self.processor.tokenizer
         self.yes_ids, self.no_ids = answer_token_ids(tokenizer, "yes"), answer_token_ids(tokenizer, "no")
         if not self.yes_ids or not self.no_ids:
-            raise ValueError(f"artifact: the tokenizer of {model_name!r} has no single token for yes/no; use an instruction-tuned VLM")
+            raise ValueError(
+                f"artifact: the tokenizer of {model_name!r} has no single token for yes/no; use an instruction-tuned VLM"
+            )
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": self.question}]}]
         self.chat = self.processor.apply_chat_template(messages, add_generation_prompt=True)
 

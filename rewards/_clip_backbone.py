@@ -77,16 +77,22 @@ def load_open_clip(model: str, pretrained: str | None, device: Any, dtype: torch
     if os.path.isdir(model):
         name = f"local-dir:{model}"
         if pretrained is not None:
-            raise ValueError(f"pretrained={pretrained!r} given with model folder {model!r}; the folder holds the weights, drop pretrained")
+            raise ValueError(
+                f"pretrained={pretrained!r} given with model folder {model!r}; the folder holds the weights, drop pretrained"
+            )
     else:
         name = model
         if open_clip.get_model_config(model) is None:
-            raise ValueError(f"model={model!r} is neither an open_clip architecture nor a local folder; e.g. 'ViT-L-14' or /path/to/open_clip_folder")
+            raise ValueError(
+                f"model={model!r} is neither an open_clip architecture nor a local folder; e.g. 'ViT-L-14' or /path/to/open_clip_folder"
+            )
         if pretrained is None and checkpoint is None:
             pretrained = DEFAULT_TAG
         if pretrained is not None and not os.path.isfile(pretrained):
             if os.sep in pretrained or pretrained.endswith((".bin", ".pt", ".pth", ".safetensors")):
-                raise FileNotFoundError(f"pretrained weights file {pretrained!r} does not exist; pass an existing file or an open_clip tag")
+                raise FileNotFoundError(
+                    f"pretrained weights file {pretrained!r} does not exist; pass an existing file or an open_clip tag"
+                )
             path, cfg = _cached_open_clip_file(model, pretrained)
             kwargs["force_quick_gelu"] = bool(cfg.get("quick_gelu", False))
             kwargs["force_preprocess_cfg"] = {k: cfg[k] for k in ("mean", "std") if k in cfg}

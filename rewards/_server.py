@@ -42,16 +42,16 @@ def decode_request(raw: bytes, content_type: str = SAFETENSORS, content_encoding
         try:
             raw = zlib.decompress(raw)
         except zlib.error as err:
-            raise ValueError(f"the body is not a deflate (zlib) stream ({err}); "
-                             "compress it with zlib.compress or drop Content-Encoding") from None
+            raise ValueError(
+                f"the body is not a deflate (zlib) stream ({err}); compress it with zlib.compress or drop Content-Encoding"
+            ) from None
     elif content_encoding not in ("", "identity"):
         raise ValueError(f"Content-Encoding {content_encoding!r} is not supported; send identity or deflate")
     if content_type == SAFETENSORS:
         return _decode_safetensors(raw)
     if content_type == "application/json":
         return _decode_json(raw)
-    raise ValueError(f"Content-Type {content_type!r} is not supported; send {SAFETENSORS} "
-                     "(or application/json with base64 PNGs)")
+    raise ValueError(f"Content-Type {content_type!r} is not supported; send {SAFETENSORS} (or application/json with base64 PNGs)")
 
 
 def _decode_safetensors(raw: bytes) -> Batch:
@@ -74,8 +74,9 @@ def _decode_safetensors(raw: bytes) -> Batch:
         prompts = json.loads(info["prompts"])
         metadata = json.loads(info.get("metadata") or "null")
     except (KeyError, TypeError, ValueError):
-        raise ValueError("the safetensors metadata needs 'prompts' as a JSON list of strings "
-                         "(and 'metadata' as a JSON list)") from None
+        raise ValueError(
+            "the safetensors metadata needs 'prompts' as a JSON list of strings (and 'metadata' as a JSON list)"
+        ) from None
     return pixels.float().div_(255.0), *_check_texts(prompts, metadata, len(pixels))  # the PNG path's float32 values
 
 
@@ -100,8 +101,9 @@ def _check_texts(prompts: Any, metadata: Any, num: int) -> tuple[list[str], list
     if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
         raise ValueError("'metadata' must be a list of objects, one per sample")
     if not len(prompts) == len(metadata) == num:
-        raise ValueError(f"{len(prompts)} prompts and {len(metadata)} metadata entries for {num} samples; "
-                         "send one of each per sample")
+        raise ValueError(
+            f"{len(prompts)} prompts and {len(metadata)} metadata entries for {num} samples; send one of each per sample"
+        )
     return prompts, metadata
 
 
@@ -136,8 +138,7 @@ def make_server(reward: Any, host: str = "127.0.0.1", port: int = 0, token: str 
                 return
             if self.path != "/health":
                 return self._send(404, {"error": f"unknown path {self.path}; use /health or /score"})
-            self._send(200, {"status": "ok", "reward": name, "modalities": list(reward.modalities),
-                             "differentiable": False})
+            self._send(200, {"status": "ok", "reward": name, "modalities": list(reward.modalities), "differentiable": False})
 
         def do_POST(self) -> None:
             length = self.headers.get("Content-Length", "0")
@@ -148,8 +149,9 @@ def make_server(reward: Any, host: str = "127.0.0.1", port: int = 0, token: str 
             if self.path != "/score":
                 return self._send(404, {"error": f"unknown path {self.path}; POST to /score"})
             try:
-                images, prompts, metadata = decode_request(raw, self.headers.get("Content-Type", SAFETENSORS),
-                                                           self.headers.get("Content-Encoding", ""))
+                images, prompts, metadata = decode_request(
+                    raw, self.headers.get("Content-Type", SAFETENSORS), self.headers.get("Content-Encoding", "")
+                )
             except (ValueError, KeyError, TypeError, OSError, RuntimeError) as err:
                 return self._send(400, {"error": f"bad request: {err}"})
             try:

@@ -24,7 +24,9 @@ TINY_CLIP_CFG = {
 }
 
 
-def tiny_open_clip(folder: Path, seed: int = 0, with_weights: bool = True, model_cfg: dict | None = None) -> tuple[str, dict[str, torch.Tensor]]:
+def tiny_open_clip(
+    folder: Path, seed: int = 0, with_weights: bool = True, model_cfg: dict | None = None
+) -> tuple[str, dict[str, torch.Tensor]]:
     """An open_clip model folder in the hub layout (open_clip_config.json + open_clip_model.safetensors).
 
     model_cfg: an open_clip architecture config (default: a 1.6M-parameter CLIP); with_weights=False writes the
@@ -33,7 +35,10 @@ def tiny_open_clip(folder: Path, seed: int = 0, with_weights: bool = True, model
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"model_cfg": model_cfg or TINY_CLIP_CFG, "preprocess_cfg": {"mean": OPENAI_MEAN, "std": OPENAI_STD, "interpolation": "bicubic", "resize_mode": "shortest"}}
+    config = {
+        "model_cfg": model_cfg or TINY_CLIP_CFG,
+        "preprocess_cfg": {"mean": OPENAI_MEAN, "std": OPENAI_STD, "interpolation": "bicubic", "resize_mode": "shortest"},
+    }
     (folder / "open_clip_config.json").write_text(json.dumps(config))
     torch.manual_seed(seed)
     model = open_clip.create_model(f"local-dir:{folder}")
@@ -58,14 +63,24 @@ def tiny_pickscore(folder: Path) -> dict[str, Any]:
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
     tokenizer = tiny_clip_tokenizer()
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
-                                         image_mean=OPENAI_MEAN, image_std=OPENAI_STD)
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_mean=OPENAI_MEAN, image_std=OPENAI_STD
+    )
     CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     config = CLIPConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=77, **ids),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8),
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            **ids,
+        ),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+        ),
         projection_dim=16,
     )
     torch.manual_seed(0)
@@ -114,13 +129,40 @@ def _per_frame(folder: Path) -> dict[str, Any]:
 
 
 VISION = {"width": 128, "depth": 2, "patch": 8, "image": 16, "heads": 2, "mlp": 256}
-MED = {"architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
-       "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64, "layer_norm_eps": 1e-12,
-       "max_position_embeddings": 40, "model_type": "bert", "num_attention_heads": 2, "num_hidden_layers": 2,
-       "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": None, "encoder_width": 768, "add_cross_attention": True}
+MED = {
+    "architectures": ["BertModel"],
+    "attention_probs_dropout_prob": 0.1,
+    "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.1,
+    "hidden_size": 32,
+    "initializer_range": 0.02,
+    "intermediate_size": 64,
+    "layer_norm_eps": 1e-12,
+    "max_position_embeddings": 40,
+    "model_type": "bert",
+    "num_attention_heads": 2,
+    "num_hidden_layers": 2,
+    "pad_token_id": 0,
+    "type_vocab_size": 2,
+    "vocab_size": None,
+    "encoder_width": 768,
+    "add_cross_attention": True,
+}
 BLIP_LARGE = {"width": 1024, "depth": 24, "patch": 16, "image": 224, "heads": 16, "mlp": 4096}  # ImageReward's ViT-L
-BERT_BASE = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12, "num_hidden_layers": 12, "max_position_embeddings": 512}
-WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "a an the red blue green circle square triangle photo of two three cat dog sign".split()
+BERT_BASE = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "max_position_embeddings": 512,
+}
+WORDS = [
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+] + "a an the red blue green circle square triangle photo of two three cat dog sign".split()
 
 
 def _linear(state, name, d_out, d_in, generator):
@@ -133,8 +175,13 @@ def _norm(state, name, d, generator):
     state[f"{name}.bias"] = 0.1 * torch.randn(d, generator=generator)
 
 
-def make_imagereward_files(folder: Path, vision: dict | None = None, med_overrides: dict | None = None,
-                           words: list[str] | None = None, dtype: torch.dtype = torch.float32) -> dict:
+def make_imagereward_files(
+    folder: Path,
+    vision: dict | None = None,
+    med_overrides: dict | None = None,
+    words: list[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     """ImageReward.pt (a plain state dict with the official key names), med_config.json and a BERT tokenizer.
 
     Defaults are tiny; `vision=BLIP_LARGE, med_overrides=BERT_BASE, words=None -> 30522 filler words` gives the
@@ -184,7 +231,11 @@ def make_imagereward_files(folder: Path, vision: dict | None = None, med_overrid
     for i, (d_out, d_in) in zip((0, 2, 4, 6, 7), ((1024, d), (128, 1024), (64, 128), (16, 64), (1, 16))):
         _linear(s, f"mlp.layers.{i}", d_out, d_in, g)
     torch.save({k: (x.to(dtype) if x.is_floating_point() else x) for k, x in s.items()}, folder / "ImageReward.pt")
-    return {"checkpoint": str(folder / "ImageReward.pt"), "med_config": str(folder / "med_config.json"), "tokenizer": str(folder / "tokenizer")}
+    return {
+        "checkpoint": str(folder / "ImageReward.pt"),
+        "med_config": str(folder / "med_config.json"),
+        "tokenizer": str(folder / "tokenizer"),
+    }
 
 
 def _artifact(folder: Path) -> dict[str, Any]:
@@ -193,6 +244,7 @@ def _artifact(folder: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     save_artifact_classifier(ArtifactCNN(image_size=32, channels=(8, 16)), str(folder / "artifact.safetensors"))
     return {"checkpoint": str(folder / "artifact.safetensors")}
+
 
 TINY_REWARDS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "jpeg_compressibility": lambda folder: {},

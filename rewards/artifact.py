@@ -32,7 +32,11 @@ class ArtifactCNN(torch.nn.Module):
         blocks: list[torch.nn.Module] = []
         c_in = 3
         for c_out in channels:
-            blocks += [torch.nn.Conv2d(c_in, c_out, 3, stride=2, padding=1), torch.nn.GroupNorm(min(8, c_out), c_out), torch.nn.SiLU()]
+            blocks += [
+                torch.nn.Conv2d(c_in, c_out, 3, stride=2, padding=1),
+                torch.nn.GroupNorm(min(8, c_out), c_out),
+                torch.nn.SiLU(),
+            ]
             c_in = c_out
         self.features = torch.nn.Sequential(*blocks)
         self.head = torch.nn.Linear(c_in, 1)
@@ -41,8 +45,13 @@ class ArtifactCNN(torch.nn.Module):
         """[N, 3, H, W] in [0, 1] -> [N, 3, S, S] in [-1, 1]; a differentiable resize (the whole frame, no crop)."""
         size, dtype = self.config["image_size"], images.dtype
         if images.shape[-2:] != (size, size):  # antialiased resampling has no half-precision CPU kernel: use float32
-            images = F.interpolate(images.to(torch.promote_types(dtype, torch.float32)), size=(size, size), mode="bilinear",
-                                   align_corners=False, antialias=True).to(dtype)
+            images = F.interpolate(
+                images.to(torch.promote_types(dtype, torch.float32)),
+                size=(size, size),
+                mode="bilinear",
+                align_corners=False,
+                antialias=True,
+            ).to(dtype)
         return images * 2 - 1
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -61,11 +70,15 @@ def load_artifact_classifier(path: str) -> ArtifactCNN:
     from safetensors.torch import load_file
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"artifact: checkpoint {path!r} does not exist; train one with `python scripts/train_artifact_reward.py --data DIR --out {path}`")
+        raise FileNotFoundError(
+            f"artifact: checkpoint {path!r} does not exist; train one with `python scripts/train_artifact_reward.py --data DIR --out {path}`"
+        )
     with safe_open(path, framework="pt") as f:
         metadata = f.metadata() or {}
     if metadata.get("format") != FORMAT:
-        raise ValueError(f"artifact: {path!r} is not a {FORMAT} file (metadata format={metadata.get('format')!r}); use one written by scripts/train_artifact_reward.py")
+        raise ValueError(
+            f"artifact: {path!r} is not a {FORMAT} file (metadata format={metadata.get('format')!r}); use one written by scripts/train_artifact_reward.py"
+        )
     model = ArtifactCNN(**json.loads(metadata["config"]))
     model.load_state_dict(load_file(path))
     return model
@@ -77,12 +90,21 @@ class ArtifactReward:
     differentiable = True  # the classifier backend; the vlm backend sets self.differentiable = False
     extra_requires: tuple[str, ...] = ()
 
-    def __init__(self, device: Any = "cpu", dtype: torch.dtype = torch.float32, backend: str = "classifier",
-                 checkpoint: str | None = None, model_name: str | None = None, question: str | None = None):
+    def __init__(
+        self,
+        device: Any = "cpu",
+        dtype: torch.dtype = torch.float32,
+        backend: str = "classifier",
+        checkpoint: str | None = None,
+        model_name: str | None = None,
+        question: str | None = None,
+    ):
         self.device, self.dtype, self.backend = torch.device(device), dtype, backend
         if backend == "classifier":
             if checkpoint is None:
-                raise FileNotFoundError("artifact: checkpoint is not set; train one with `python scripts/train_artifact_reward.py --data DIR --out artifact.safetensors` and pass checkpoint=")
+                raise FileNotFoundError(
+                    "artifact: checkpoint is not set; train one with `python scripts/train_artifact_reward.py --data DIR --out artifact.safetensors` and pass checkpoint="
+                )
             self.model = load_artifact_classifier(checkpoint).to(self.device, dtype).eval().requires_grad_(False)
         elif backend == "vlm":
             from ._artifact_judge import VLMArtifactJudge

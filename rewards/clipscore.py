@@ -19,8 +19,14 @@ class ClipScoreReward:
     differentiable = True
     extra_requires = ("open-clip-torch",)
 
-    def __init__(self, device: Any = "cpu", dtype: torch.dtype = torch.float32, model_name: str = "ViT-L-14",
-                 pretrained: str | None = None, weight: float = 2.5):
+    def __init__(
+        self,
+        device: Any = "cpu",
+        dtype: torch.dtype = torch.float32,
+        model_name: str = "ViT-L-14",
+        pretrained: str | None = None,
+        weight: float = 2.5,
+    ):
         self.device, self.dtype, self.weight = torch.device(device), dtype, float(weight)
         self.model, self.tokenizer, self.preprocess = load_open_clip(model_name, pretrained, self.device, dtype)
 

@@ -36,13 +36,21 @@ class HPSv2Reward:
     differentiable = True
     extra_requires = ("open-clip-torch",)
 
-    def __init__(self, device: Any = "cpu", dtype: torch.dtype = torch.float32, model_name: str = "ViT-H-14",
-                 checkpoint: str | None = None, version: str = "v2.1"):
+    def __init__(
+        self,
+        device: Any = "cpu",
+        dtype: torch.dtype = torch.float32,
+        model_name: str = "ViT-H-14",
+        checkpoint: str | None = None,
+        version: str = "v2.1",
+    ):
         if version not in HPS_FILES:
             raise ValueError(f"hpsv2: version={version!r} is unknown; use one of {sorted(HPS_FILES)}")
         checkpoint = checkpoint if checkpoint is not None else _cached_hps_checkpoint(version)
         if not os.path.isfile(checkpoint):
-            raise FileNotFoundError(f"hpsv2: checkpoint {checkpoint!r} does not exist; download {HPS_FILES[version]} from https://huggingface.co/{HPS_REPO}")
+            raise FileNotFoundError(
+                f"hpsv2: checkpoint {checkpoint!r} does not exist; download {HPS_FILES[version]} from https://huggingface.co/{HPS_REPO}"
+            )
         self.device, self.dtype = torch.device(device), dtype
         self.model, self.tokenizer, self.preprocess = load_open_clip(model_name, None, self.device, dtype, checkpoint=checkpoint)
 

@@ -55,8 +55,14 @@ class OCRReward:
     differentiable = False
     extra_requires = ("pytesseract",)
 
-    def __init__(self, device: Any = "cpu", dtype: torch.dtype = torch.float32, backend: str = "tesseract",
-                 tesseract_config: str = "--psm 6", min_height: int = 64):
+    def __init__(
+        self,
+        device: Any = "cpu",
+        dtype: torch.dtype = torch.float32,
+        backend: str = "tesseract",
+        tesseract_config: str = "--psm 6",
+        min_height: int = 64,
+    ):
         if backend != "tesseract":
             raise ValueError(f"ocr: backend={backend!r} is not available; use 'tesseract'")
         try:
@@ -64,7 +70,9 @@ class OCRReward:
         except ImportError:
             raise ImportError("ocr: pytesseract is not installed; pip install 'flowrl[ocr]'") from None
         if shutil.which(pytesseract.pytesseract.tesseract_cmd) is None:
-            raise FileNotFoundError("ocr: the tesseract binary is not on PATH; install it (Debian: apt-get install tesseract-ocr)")
+            raise FileNotFoundError(
+                "ocr: the tesseract binary is not on PATH; install it (Debian: apt-get install tesseract-ocr)"
+            )
         self.device, self.config, self.min_height = torch.device(device), tesseract_config, int(min_height)
         self._pytesseract = pytesseract
 

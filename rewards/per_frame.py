@@ -17,8 +17,15 @@ class PerFrameReward:
     differentiable = True  # as differentiable as the wrapped reward; see `self.differentiable`
     extra_requires: tuple[str, ...] = ()
 
-    def __init__(self, device: Any = "cpu", dtype: torch.dtype = torch.float32, reward: str | None = None,
-                 reward_config: dict[str, Any] | None = None, reduce: str = "mean", every_k_frames: int = 1):
+    def __init__(
+        self,
+        device: Any = "cpu",
+        dtype: torch.dtype = torch.float32,
+        reward: str | None = None,
+        reward_config: dict[str, Any] | None = None,
+        reduce: str = "mean",
+        every_k_frames: int = 1,
+    ):
         if not reward:
             raise ValueError("per_frame: reward is not set; name the image reward to wrap, e.g. reward=clipscore")
         if reduce not in ("mean", "min"):

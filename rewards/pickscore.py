@@ -38,19 +38,27 @@ class PickScoreReward:
     differentiable = True
     extra_requires = ("transformers",)
 
-    def __init__(self, device: Any = "cpu", dtype: torch.dtype = torch.float32,
-                 model_name: str = "yuvalkirstain/PickScore_v1",
-                 processor_name: str | None = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"):
+    def __init__(
+        self,
+        device: Any = "cpu",
+        dtype: torch.dtype = torch.float32,
+        model_name: str = "yuvalkirstain/PickScore_v1",
+        processor_name: str | None = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    ):
         from transformers import CLIPModel, CLIPProcessor
 
         self.device, self.dtype = torch.device(device), dtype
         processor = _from_local(CLIPProcessor, processor_name or model_name, "processor")
         self.tokenizer = processor.tokenizer
         if len(self.tokenizer) <= 10:
-            raise FileNotFoundError(f"pickscore: the tokenizer of {processor_name or model_name!r} has {len(self.tokenizer)} tokens (an empty download); pass a complete processor folder")
+            raise FileNotFoundError(
+                f"pickscore: the tokenizer of {processor_name or model_name!r} has {len(self.tokenizer)} tokens (an empty download); pass a complete processor folder"
+            )
         image_processor = processor.image_processor
         self.resize = _pixel_size(image_processor.size)
-        self.preprocess = ImagePreprocess(_pixel_size(image_processor.crop_size), tuple(image_processor.image_mean), tuple(image_processor.image_std))
+        self.preprocess = ImagePreprocess(
+            _pixel_size(image_processor.crop_size), tuple(image_processor.image_mean), tuple(image_processor.image_std)
+        )
         self.model = _from_local(CLIPModel, model_name, "model").to(self.device, dtype).eval().requires_grad_(False)
 
     def _pixels(self, images: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,13 @@ class RemoteRewardError(ConnectionError):
     """The remote reward could not be reached or answered wrongly (raised as is by score_checked: no per-sample retry)."""
 
 
-def encode_batch(images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]], encoding: str = "safetensors",
-                 compression: str = "none") -> tuple[bytes, dict[str, str]]:
+def encode_batch(
+    images: torch.Tensor,
+    prompts: list[str],
+    metadata: list[dict[str, Any]],
+    encoding: str = "safetensors",
+    compression: str = "none",
+) -> tuple[bytes, dict[str, str]]:
     """Images [N, 3, H, W] (videos [N, F, 3, H, W]) in [0, 1] + texts -> (/score request body, its content headers)."""
     key = "videos" if images.dim() == 5 else "images"
     if encoding == "png":
@@ -62,18 +67,29 @@ class RemoteReward:
     differentiable = False
     extra_requires: tuple[str, ...] = ()
 
-    def __init__(self, device: Any = "cpu", dtype: torch.dtype = torch.float32, url: str | None = None,
-                 token: str | None = None, timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 encoding: str = "safetensors", compression: str = "none"):
+    def __init__(
+        self,
+        device: Any = "cpu",
+        dtype: torch.dtype = torch.float32,
+        url: str | None = None,
+        token: str | None = None,
+        timeout_s: float = 120.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        encoding: str = "safetensors",
+        compression: str = "none",
+    ):
         if not url or not url.startswith(("http://", "https://")):
-            raise ValueError(f"remote: url={url!r} is not an http(s) URL; pass the server's address, "
-                             "e.g. url=http://127.0.0.1:8765")
+            raise ValueError(
+                f"remote: url={url!r} is not an http(s) URL; pass the server's address, e.g. url=http://127.0.0.1:8765"
+            )
         if int(max_retries) < 0 or float(timeout_s) <= 0:
-            raise ValueError(f"remote: max_retries={max_retries}, timeout_s={timeout_s}; "
-                             "use max_retries >= 0 and timeout_s > 0")
+            raise ValueError(f"remote: max_retries={max_retries}, timeout_s={timeout_s}; use max_retries >= 0 and timeout_s > 0")
         if encoding not in ENCODINGS or compression not in COMPRESSIONS:
-            raise ValueError(f"remote: encoding={encoding!r}, compression={compression!r}; "
-                             f"use encoding in {ENCODINGS} and compression in {COMPRESSIONS}")
+            raise ValueError(
+                f"remote: encoding={encoding!r}, compression={compression!r}; "
+                f"use encoding in {ENCODINGS} and compression in {COMPRESSIONS}"
+            )
         if encoding == "png" and compression != "none":
             raise ValueError("remote: compression=zlib needs encoding=safetensors; PNGs are compressed already")
         self.device, self.url, self.token = torch.device(device), url.rstrip("/"), token
@@ -99,8 +115,9 @@ class RemoteReward:
                     last = f"HTTP {err.code} {message}"
                     continue
                 if err.code == 401:
-                    raise RemoteRewardError(f"remote {self.url}: unauthorized (HTTP 401); "
-                                            "pass token= equal to the server's --token") from None
+                    raise RemoteRewardError(
+                        f"remote {self.url}: unauthorized (HTTP 401); pass token= equal to the server's --token"
+                    ) from None
                 if err.code == 400:
                     raise ValueError(f"remote {self.url}: server rejected the batch (HTTP 400): {message}") from None
                 raise RemoteRewardError(f"remote {self.url}: HTTP {err.code}: {message}") from None
@@ -113,8 +130,10 @@ class RemoteReward:
                 return json.loads(raw)
             except ValueError:
                 raise RemoteRewardError(f"remote {self.url}: malformed response (not JSON): {raw[:80]!r}") from None
-        raise RemoteRewardError(f"remote {self.url}{path}: gave up after {self.max_retries + 1} attempts; last error: {last}; "
-                                "is `flowrl serve-reward` running there?")
+        raise RemoteRewardError(
+            f"remote {self.url}{path}: gave up after {self.max_retries + 1} attempts; last error: {last}; "
+            "is `flowrl serve-reward` running there?"
+        )
 
     def health(self) -> dict[str, Any]:
         return self._request("/health")
@@ -125,15 +144,17 @@ class RemoteReward:
         scores = answer.get("scores") if isinstance(answer, dict) else None
         numbers = isinstance(scores, list) and all(s is None or isinstance(s, (int, float)) for s in scores)
         if not numbers or len(scores) != len(prompts):
-            raise RemoteRewardError(f"remote {self.url}: malformed response, expected 'scores' with {len(prompts)} numbers, "
-                                    f"got {str(answer)[:80]}")
+            raise RemoteRewardError(
+                f"remote {self.url}: malformed response, expected 'scores' with {len(prompts)} numbers, got {str(answer)[:80]}"
+            )
 
         def as_tensor(values: list) -> torch.Tensor:
             numbers = [float("nan") if v is None else float(v) for v in values]
             return torch.tensor(numbers, dtype=torch.float32, device=self.device)
 
-        parts = {k: as_tensor(v) for k, v in (answer.get("parts") or {}).items()
-                 if isinstance(v, list) and len(v) == len(prompts)}
+        parts = {
+            k: as_tensor(v) for k, v in (answer.get("parts") or {}).items() if isinstance(v, list) and len(v) == len(prompts)
+        }
         return RewardOutput(scores=as_tensor(scores), parts=parts)  # [N]
 
 

@@ -22,8 +22,9 @@ class TemporalConsistencyReward:
     differentiable = True
     extra_requires = ("open-clip-torch",)
 
-    def __init__(self, device: Any = "cpu", dtype: torch.dtype = torch.float32, model_name: str = "ViT-B-32",
-                 pretrained: str | None = None):
+    def __init__(
+        self, device: Any = "cpu", dtype: torch.dtype = torch.float32, model_name: str = "ViT-B-32", pretrained: str | None = None
+    ):
         self.device, self.dtype = torch.device(device), dtype
         self.model, _, self.preprocess = load_open_clip(model_name, pretrained, self.device, dtype)
 

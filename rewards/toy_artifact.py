@@ -24,7 +24,9 @@ class ToyArtifactReward:
         self.device, self.dtype = torch.device(device), dtype
         self.judge = load_judge("artifact", checkpoint, device=self.device, dtype=dtype)
 
-    def __call__(self, images: torch.Tensor, prompts: list[str] | None = None, metadata: list[dict[str, Any]] | None = None) -> RewardOutput:
+    def __call__(
+        self, images: torch.Tensor, prompts: list[str] | None = None, metadata: list[dict[str, Any]] | None = None
+    ) -> RewardOutput:
         from flowrl.toy.judges import judge_input
 
         logits = self.judge(judge_input(images.to(self.device), self.dtype)).float()  # [N]

@@ -41,8 +41,14 @@ class ODESampler:
             raise ValueError(f"scheduler={self.scheduler!r} must be 'euler' or 'pipeline'")
 
     @torch.no_grad()
-    def __call__(self, model: FlowModel, batch: PromptBatch, generator: torch.Generator | None = None,
-                 score_fn: ScoreFn | None = None, step: int = 0) -> Rollout:
+    def __call__(
+        self,
+        model: FlowModel,
+        batch: PromptBatch,
+        generator: torch.Generator | None = None,
+        score_fn: ScoreFn | None = None,
+        step: int = 0,
+    ) -> Rollout:
         # 1. Prompts and 2. initial noise, one generator per sample (= the pipeline called with that seed)
         guidance, cond, seeds, latents, size = start_rollout(self, model, batch, generator)
         # 3-4. Denoising loop
@@ -56,9 +62,18 @@ class ODESampler:
         images = model.decode(trajectory[:, -1]) if self.decode else torch.empty(0)
         n, t = len(seeds), trajectory.shape[1] - 1
         return Rollout(
-            latents=trajectory, log_probs=torch.zeros(n, t), sigmas=sigmas.float().cpu(), images=images,
-            group_ids=batch.group_ids, prompts=list(batch.prompts), cond=cond, noise_levels=torch.zeros(n, t),
-            rule=sde.StepRule("ode"), guidance_scale=guidance, metadata=list(batch.metadata), extras={"seeds": seeds},
+            latents=trajectory,
+            log_probs=torch.zeros(n, t),
+            sigmas=sigmas.float().cpu(),
+            images=images,
+            group_ids=batch.group_ids,
+            prompts=list(batch.prompts),
+            cond=cond,
+            noise_levels=torch.zeros(n, t),
+            rule=sde.StepRule("ode"),
+            guidance_scale=guidance,
+            metadata=list(batch.metadata),
+            extras={"seeds": seeds},
         )
 
     def _pipeline_scheduler_loop(self, model, latents, cond, guidance, size):
@@ -75,8 +90,11 @@ class ODESampler:
         if scheduler.config.get("use_dynamic_shifting", False) and "mu" in accepted:
             c = scheduler.config
             kwargs["mu"] = sde.calculate_shift(
-                model.image_seq_len(*size), c.get("base_image_seq_len", 256),
-                c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15),
+                model.image_seq_len(*size),
+                c.get("base_image_seq_len", 256),
+                c.get("max_image_seq_len", 4096),
+                c.get("base_shift", 0.5),
+                c.get("max_shift", 1.15),
             )
         scheduler.set_timesteps(self.num_steps, device=model.device, **kwargs)
         x = latents

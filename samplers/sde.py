@@ -151,7 +151,9 @@ class SDESampler:
         if self.sigma_schedule not in ("model", "dance"):
             raise ValueError(f"sigma_schedule={self.sigma_schedule!r} must be 'model' or 'dance'")
         r0, r1 = self.window_range()
-        if self.sde_window_size < 0 or (self.sde_window_size and not (0 <= r0 and r0 + self.sde_window_size <= r1 <= self.num_steps)):
+        if self.sde_window_size < 0 or (
+            self.sde_window_size and not (0 <= r0 and r0 + self.sde_window_size <= r1 <= self.num_steps)
+        ):
             raise ValueError(
                 f"sde_window_size={self.sde_window_size} does not fit sde_window_range=({r0}, {r1}) of {self.num_steps} "
                 "steps; need 0 <= r0 and r0 + size <= r1 <= num_steps"
@@ -189,8 +191,14 @@ class SDESampler:
         return levels
 
     @torch.no_grad()
-    def __call__(self, model: FlowModel, batch: PromptBatch, generator: torch.Generator | None = None,
-                 score_fn: ScoreFn | None = None, step: int = 0) -> Rollout:
+    def __call__(
+        self,
+        model: FlowModel,
+        batch: PromptBatch,
+        generator: torch.Generator | None = None,
+        score_fn: ScoreFn | None = None,
+        step: int = 0,
+    ) -> Rollout:
         # 1. Prompts and 2. initial noise, one generator per sample
         guidance, cond, seeds, latents, _ = start_rollout(self, model, batch, generator)
         # 3. Time grid and per-transition noise levels
@@ -202,7 +210,16 @@ class SDESampler:
         # 5. Decode
         images = model.decode(trajectory[:, -1]) if self.decode else torch.empty(0)
         return Rollout(
-            latents=trajectory, log_probs=log_probs, sigmas=sigmas.float(), images=images,
-            group_ids=batch.group_ids, prompts=list(batch.prompts), cond=cond, noise_levels=levels, rule=self.rule,
-            guidance_scale=guidance, metadata=list(batch.metadata), extras={"seeds": seeds},
+            latents=trajectory,
+            log_probs=log_probs,
+            sigmas=sigmas.float(),
+            images=images,
+            group_ids=batch.group_ids,
+            prompts=list(batch.prompts),
+            cond=cond,
+            noise_levels=levels,
+            rule=self.rule,
+            guidance_scale=guidance,
+            metadata=list(batch.metadata),
+            extras={"seeds": seeds},
         )

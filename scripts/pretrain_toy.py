@@ -93,7 +93,9 @@ def noisy_scenes(specs: list[ShapeSpec], count_noise: float, colour_noise: float
     ]
 
 
-def training_batch(num: int, cond_dropout: float, generator: torch.Generator, count_noise: float = 0.0, colour_noise: float = 0.0):
+def training_batch(
+    num: int, cond_dropout: float, generator: torch.Generator, count_noise: float = 0.0, colour_noise: float = 0.0
+):
     specs = sample_specs(num, "train", generator)  # the prompts
     scenes = noisy_scenes(specs, count_noise, colour_noise, generator)
     seeds = torch.randint(2**31 - 1, (num,), generator=generator).tolist()  # [N]
@@ -155,7 +157,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     start, running = time.time(), []
     for step in range(1, args.steps + 1):
-        latents, sigma, ids, target = training_batch(args.batch_size, args.cond_dropout, generator, args.count_noise, args.colour_noise)
+        latents, sigma, ids, target = training_batch(
+            args.batch_size, args.cond_dropout, generator, args.count_noise, args.colour_noise
+        )
         loss = torch.nn.functional.mse_loss(net(latents, sigma, ids), target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -180,10 +184,19 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"eval loss after: {loss_after:.4f}  ({seconds / 60:.1f} min)", flush=True)
     path = out / MODEL_FILE
     save_file(state_for_file(final), str(path), metadata={"command": command, "seed": str(args.seed)})
-    entry = {"sha256": file_digest(path), "size": path.stat().st_size, "command": command, "seed": args.seed,
-             "steps": args.steps, "eval_loss_before": round(loss_before, 4), "eval_loss_after": round(loss_after, 4),
-             "train_minutes": round(seconds / 60, 1), "threads": args.threads, "count_noise": args.count_noise,
-             "colour_noise": args.colour_noise}
+    entry = {
+        "sha256": file_digest(path),
+        "size": path.stat().st_size,
+        "command": command,
+        "seed": args.seed,
+        "steps": args.steps,
+        "eval_loss_before": round(loss_before, 4),
+        "eval_loss_after": round(loss_after, 4),
+        "train_minutes": round(seconds / 60, 1),
+        "threads": args.threads,
+        "count_noise": args.count_noise,
+        "colour_noise": args.colour_noise,
+    }
     write_manifest_entry(out, MODEL_FILE, entry)
     print(json.dumps(entry), flush=True)
     return entry

@@ -1,7 +1,7 @@
 """Training entry point for `accelerate launch`.
 
-    accelerate launch scripts/train.py --config configs/toy/grpo.yaml [key=value ...]
-    accelerate launch --multi_gpu --num_processes 2 scripts/train.py --config configs/toy/grpo.yaml device=cpu
+accelerate launch scripts/train.py --config configs/toy/grpo.yaml [key=value ...]
+accelerate launch --multi_gpu --num_processes 2 scripts/train.py --config configs/toy/grpo.yaml device=cpu
 """
 
 from __future__ import annotations

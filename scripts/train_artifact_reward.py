@@ -27,7 +27,9 @@ def load_labelled(data: str, image_size: int) -> tuple[torch.Tensor, torch.Tenso
     for label, sub in ((0.0, "clean"), (1.0, "artifact")):
         folder = os.path.join(data, sub)
         if not os.path.isdir(folder):
-            raise FileNotFoundError(f"--data {data!r} has no {sub}/ folder; put clean images in clean/ and artifact images in artifact/")
+            raise FileNotFoundError(
+                f"--data {data!r} has no {sub}/ folder; put clean images in clean/ and artifact images in artifact/"
+            )
         files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMAGE_SUFFIXES))
         if not files:
             raise FileNotFoundError(f"{folder!r} holds no images ({', '.join(IMAGE_SUFFIXES)}); add some")
@@ -43,8 +45,16 @@ def accuracy(model: ArtifactCNN, images: torch.Tensor, labels: torch.Tensor) -> 
         return float(((model(images) > 0).float() == labels).float().mean()) if len(labels) else float("nan")
 
 
-def train(data: str, out: str, epochs: int = 20, batch_size: int = 32, lr: float = 3e-3, image_size: int = 64,
-          val_fraction: float = 0.2, seed: int = 0) -> dict:
+def train(
+    data: str,
+    out: str,
+    epochs: int = 20,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    image_size: int = 64,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+) -> dict:
     torch.manual_seed(seed)
     images, labels = load_labelled(data, image_size)
     order = torch.randperm(len(labels))
@@ -64,9 +74,15 @@ def train(data: str, out: str, epochs: int = 20, batch_size: int = 32, lr: float
             loss.backward()
             optimizer.step()
     model.eval()
-    record = {"data": os.path.abspath(data), "num_train": len(train_idx), "num_val": num_val, "epochs": epochs,
-              "seed": seed, "train_accuracy": accuracy(model, images[train_idx], labels[train_idx]),
-              "val_accuracy": accuracy(model, images[val], labels[val])}
+    record = {
+        "data": os.path.abspath(data),
+        "num_train": len(train_idx),
+        "num_val": num_val,
+        "epochs": epochs,
+        "seed": seed,
+        "train_accuracy": accuracy(model, images[train_idx], labels[train_idx]),
+        "val_accuracy": accuracy(model, images[val], labels[val]),
+    }
     save_artifact_classifier(model, out, record)
     return record
 

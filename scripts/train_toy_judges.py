@@ -158,7 +158,9 @@ def evaluate_artifact(judge: ArtifactJudge, num: int, seed: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    command = "python scripts/train_toy_judges.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python scripts/train_toy_judges.py " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     name = ATTRIBUTE_FILE if args.judge == "attributes" else ARTIFACT_FILE
@@ -175,7 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
     judge = AttributeJudge() if args.judge == "attributes" else ArtifactJudge()
     optimizer = torch.optim.AdamW(judge.parameters(), lr=args.lr, weight_decay=1e-4)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+    )
     start, running = time.time(), []
     for step in range(1, args.steps + 1):
         if args.judge == "attributes":
@@ -192,13 +196,23 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"step {step} loss {sum(running) / len(running):.4f} {(time.time() - start) / step:.3f}s/step", flush=True)
             running = []
     path = out / name
-    save_file({k: v.detach().half().contiguous() for k, v in judge.state_dict().items()}, str(path),
-              metadata={"command": command, "seed": str(args.seed)})
+    save_file(
+        {k: v.detach().half().contiguous() for k, v in judge.state_dict().items()},
+        str(path),
+        metadata={"command": command, "seed": str(args.seed)},
+    )
     # accuracy of the weights as stored (float16), which is what the rewards load
     stored = evaluate(load_judge(args.judge, path), args.num_eval, args.seed)
-    entry = {"sha256": file_digest(path), "size": path.stat().st_size, "command": command, "seed": args.seed,
-             "steps": args.steps, "heldout_accuracy": stored, "train_minutes": round((time.time() - start) / 60, 1),
-             "threads": args.threads}
+    entry = {
+        "sha256": file_digest(path),
+        "size": path.stat().st_size,
+        "command": command,
+        "seed": args.seed,
+        "steps": args.steps,
+        "heldout_accuracy": stored,
+        "train_minutes": round((time.time() - start) / 60, 1),
+        "threads": args.threads,
+    }
     if args.judge == "attributes":
         entry["impossible_fraction"] = args.impossible_fraction
     write_manifest_entry(out, name, entry)

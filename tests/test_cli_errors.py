@@ -189,8 +189,9 @@ def test_score_unknown_reward(good_png, capsys):
 
 
 def test_score_more_prompts_than_files(good_png, capsys):
-    err = one_line_error(["score", "--reward", "toy_artifact", "--prompt", "a", "--prompt", "b", "--prompt", "c",
-                          good_png, good_png], capsys)
+    err = one_line_error(
+        ["score", "--reward", "toy_artifact", "--prompt", "a", "--prompt", "b", "--prompt", "c", good_png, good_png], capsys
+    )
     assert "--prompt given 3 times for 2 files" in err
 
 

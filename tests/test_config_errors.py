@@ -30,7 +30,10 @@ def train_error(argv, capsys) -> str:
 def toy_run(tmp_path, **data):
     """A valid toy run config (as plain data) with `data` overriding the data section."""
     return {
-        "name": "bad", "output_dir": str(tmp_path / "runs"), "device": "cpu", "num_steps": 1,
+        "name": "bad",
+        "output_dir": str(tmp_path / "runs"),
+        "device": "cpu",
+        "num_steps": 1,
         "model": {"path": "toy", "lora_rank": 4},
         "data": {"num_prompts_per_step": 1, "group_size": 2, **data},
         "sampler": {"name": "sde", "num_steps": 2},

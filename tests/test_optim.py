@@ -69,9 +69,14 @@ def test_swapped_puts_the_ema_in_and_restores_the_weights():
     assert torch.equal(ema.shadow["w"], torch.tensor([2.0, 0.0, 2.0]))
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"mode": "linear"}, "ema_mode"), ({"every_n_steps": 0}, "ema_every_n_steps"), ({"decay": 1.5}, "ema_decay"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"mode": "linear"}, "ema_mode"),
+        ({"every_n_steps": 0}, "ema_every_n_steps"),
+        ({"decay": 1.5}, "ema_decay"),
+    ],
+)
 def test_ema_bad_settings_name_the_field(kwargs, message):
     args = {"decay": 0.9, "every_n_steps": 1, "mode": "ramp", **kwargs}
     with pytest.raises(ValueError, match=message):

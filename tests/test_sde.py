@@ -134,7 +134,7 @@ def test_dance_grid_t16_by_hand():
     exact = torch.tensor([3 * (16 - k) / (48 - 2 * k) for k in range(17)], dtype=torch.float64)
     assert sigmas.dtype == torch.float32 and sigmas.shape == (17,)
     assert torch.allclose(sigmas.double(), exact, atol=1e-7, rtol=0)
-    listed = [1, .9783, .9545, .9286, .9, .8684, .8333, .7941, .75, .7, .6429, .5769, .5, .4091, .3, .1667, 0]
+    listed = [1, 0.9783, 0.9545, 0.9286, 0.9, 0.8684, 0.8333, 0.7941, 0.75, 0.7, 0.6429, 0.5769, 0.5, 0.4091, 0.3, 0.1667, 0]
     assert torch.allclose(sigmas, torch.tensor(listed), atol=5.1e-5, rtol=0)
 
 
@@ -233,7 +233,12 @@ def test_zero_noise_level_is_the_diffusers_euler_step_exactly(kind):
         latents = scheduler.step(v, timestep, latents).prev_sample
         for noise_level in (0.0, torch.zeros(3)):
             prev, log_prob, mean, std = sde.sde_step(
-                v, ours, float(scheduler.sigmas[k]), float(scheduler.sigmas[k + 1]), kind, noise_level,
+                v,
+                ours,
+                float(scheduler.sigmas[k]),
+                float(scheduler.sigmas[k + 1]),
+                kind,
+                noise_level,
                 generator=torch.Generator().manual_seed(k),
             )
             assert torch.equal(prev, latents) and torch.equal(mean, latents)
@@ -244,8 +249,13 @@ def test_zero_noise_level_is_the_diffusers_euler_step_exactly(kind):
 @pytest.mark.parametrize("noise_level", [0.3, 0.7, 0.9, 1.2])
 @pytest.mark.parametrize(
     "grid",
-    [sd3_grid(10), sd3_grid(28), sde.dance_sigmas(16, 3.0), torch.linspace(1, 0, 6),
-     sde.scheduler_sigmas(FLUX_CONFIG, 6, sigmas=np.linspace(1, 1 / 6, 6), mu=1.15)],
+    [
+        sd3_grid(10),
+        sd3_grid(28),
+        sde.dance_sigmas(16, 3.0),
+        torch.linspace(1, 0, 6),
+        sde.scheduler_sigmas(FLUX_CONFIG, 6, sigmas=np.linspace(1, 1 / 6, 6), mu=1.15),
+    ],
     ids=["sd3_10", "sd3_28", "dance_16", "uniform_5", "flux_6"],
 )
 def test_flow_grpo_first_step_std_equals_noise_level_exactly(grid, noise_level):
@@ -276,9 +286,7 @@ def test_log_prob_mean_and_std_equal_independent_gaussian(kind, reduce):
     noise_level = torch.tensor([0.7, 0.5, 0.9, 0.3, 0.8])  # [N]
     x = torch.randn(5, 2, 3, 3, generator=generator)  # [N, C, H, W]
     v = torch.randn(5, 2, 3, 3, generator=generator)
-    prev, log_prob, mean, std = sde.sde_step(
-        v, x, sigma, sigma_next, kind, noise_level, generator=generator, reduce=reduce
-    )
+    prev, log_prob, mean, std = sde.sde_step(v, x, sigma, sigma_next, kind, noise_level, generator=generator, reduce=reduce)
     ref_mean, ref_std = reference_step(x, v, sigma, sigma_next, kind, noise_level)
     assert torch.allclose(mean.double(), ref_mean, atol=2e-6, rtol=1e-5)
     assert torch.allclose(std.double(), ref_std, atol=1e-7, rtol=1e-5)
@@ -354,7 +362,12 @@ def test_scalar_and_per_sample_inputs_give_identical_steps(kind):
     level = 0.0 if kind == "ode" else 0.6
     scalar = sde.sde_step(v, x, 0.7, 0.55, kind, level, generator=torch.Generator().manual_seed(17))
     per_sample = sde.sde_step(
-        v, x, torch.full((4,), 0.7), torch.tensor(0.55), kind, torch.full((4,), level),
+        v,
+        x,
+        torch.full((4,), 0.7),
+        torch.tensor(0.55),
+        kind,
+        torch.full((4,), level),
         generator=torch.Generator().manual_seed(17),
     )
     for ours, theirs in zip(scalar, per_sample):

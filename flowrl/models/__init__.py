@@ -15,8 +15,14 @@ ADAPTERS = {
     "WanPipeline": ("flowrl.models.wan", "WanFlowModel"),
 }
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -32,8 +38,14 @@ def _looks_like_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
-def load_flow_model(path_or_hub_id: str, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    max_sequence_length: int | None = None, mixed_precision: str = "fp32", **kwargs):
+def load_flow_model(
+    path_or_hub_id: str,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_sequence_length: int | None = None,
+    mixed_precision: str = "fp32",
+    **kwargs,
+):
     """Load a FlowModel: 'toy' (the shipped Shapes model), a local diffusers folder, or a hub id.
 
     A local folder never touches the network; a hub id downloads only because the user named one.
@@ -43,8 +55,10 @@ def load_flow_model(path_or_hub_id: str, dtype: str | torch.dtype = torch.float3
     model = _load(path_or_hub_id, parse_dtype(dtype), device, **kwargs)
     if max_sequence_length is not None:
         if not hasattr(model, "set_max_sequence_length"):
-            raise ValueError(f"model.max_sequence_length={max_sequence_length}: the {model.family} model has a fixed prompt "
-                             "length; leave it unset")
+            raise ValueError(
+                f"model.max_sequence_length={max_sequence_length}: the {model.family} model has a fixed prompt "
+                "length; leave it unset"
+            )
         model.set_max_sequence_length(max_sequence_length)
     model.set_mixed_precision(mixed_precision)
     return model
@@ -55,8 +69,9 @@ def build_policy(model_cfg, device: str | torch.device):
     loaded from `init_lora`), gradient checkpointing on request, trained weights in float32 (frozen parts keep
     `model.dtype`). Call after seeding: a fresh adapter's initial weights come from the global RNG."""
     m = model_cfg
-    model = load_flow_model(m.path, dtype=m.dtype, device=device, max_sequence_length=m.max_sequence_length,
-                            mixed_precision=m.mixed_precision)
+    model = load_flow_model(
+        m.path, dtype=m.dtype, device=device, max_sequence_length=m.max_sequence_length, mixed_precision=m.mixed_precision
+    )
     if m.use_lora:
         if m.init_lora:
             model.load_lora(m.init_lora)

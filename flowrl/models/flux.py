@@ -30,7 +30,11 @@ class FluxFlowModel(PipelineFlowModel):
 
     def _encode_batch(self, prompts: list[str], negative_prompt: str | None) -> Cond:
         embeds, pooled, _text_ids = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, device=self.device, num_images_per_prompt=1, max_sequence_length=self.max_sequence_length,
+            prompt=prompts,
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
         )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # [N, L, D], [N, P]
 
@@ -85,8 +89,14 @@ class FluxFlowModel(PipelineFlowModel):
             guidance = torch.full([n], guidance_scale, device=latents.device, dtype=torch.float32)
         timestep = timesteps_from_sigmas(sigma).to(latents.dtype) / 1000  # the pipeline's t / 1000
         return self.transformer(
-            hidden_states=latents, timestep=timestep, guidance=guidance, pooled_projections=cond["pooled_prompt_embeds"],
-            encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
+            hidden_states=latents,
+            timestep=timestep,
+            guidance=guidance,
+            pooled_projections=cond["pooled_prompt_embeds"],
+            encoder_hidden_states=embeds,
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
         )[0]
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

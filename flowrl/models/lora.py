@@ -19,8 +19,14 @@ import torch
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 # MMDiT joint attention (SD3, FLUX): the image stream's projections and the text stream's added ones
 JOINT_ATTENTION_TARGETS = (
-    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
 )
 METADATA_KEY = "lora_adapter_metadata"
 
@@ -30,15 +36,23 @@ class LoRAMixin:
     lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     _lora_config: Any = None
 
-    def add_lora(self, rank: int = 32, alpha: float | None = None, target_modules: tuple[str, ...] | None = None,
-                 init_lora_weights: str | bool = "gaussian", adapter_name: str = "default") -> None:
+    def add_lora(
+        self,
+        rank: int = 32,
+        alpha: float | None = None,
+        target_modules: tuple[str, ...] | None = None,
+        init_lora_weights: str | bool = "gaussian",
+        adapter_name: str = "default",
+    ) -> None:
         """Add a trainable LoRA adapter to the transformer; only its weights require grad."""
         from peft import LoraConfig
 
         if rank < 1:
             raise ValueError(f"lora rank={rank} must be >= 1")
         self._lora_config = LoraConfig(
-            r=rank, lora_alpha=alpha if alpha is not None else rank, init_lora_weights=init_lora_weights,
+            r=rank,
+            lora_alpha=alpha if alpha is not None else rank,
+            init_lora_weights=init_lora_weights,
             target_modules=list(target_modules or self.lora_target_modules),
         )
         self.transformer.add_adapter(self._lora_config, adapter_name=adapter_name)
@@ -49,7 +63,9 @@ class LoRAMixin:
     def has_lora(self) -> bool:
         return bool(getattr(self.transformer, "_hf_peft_config_loaded", False))
 
-    def lora_state_dict(self, parameters: dict[str, torch.Tensor] | None = None, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    def lora_state_dict(
+        self, parameters: dict[str, torch.Tensor] | None = None, adapter_name: str = "default"
+    ) -> dict[str, torch.Tensor]:
         """The adapter's peft state dict; from `parameters` (whole tensors by parameter name) when given, which
         is how a sharded run exports it without reading its sharded modules."""
         if parameters is not None:
@@ -84,7 +100,9 @@ class LoRAMixin:
         """Load a LoRA written by save_lora (a folder or its .safetensors file)."""
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"lora={str(path)!r} does not exist; pass a folder written by save_lora or a .safetensors file")
+            raise FileNotFoundError(
+                f"lora={str(path)!r} does not exist; pass a folder written by save_lora or a .safetensors file"
+            )
         self._read_lora(path, adapter_name)
         self.transformer.eval()
 

@@ -115,8 +115,11 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
         mu = None
         if config.get("use_dynamic_shifting", False):
             mu = sde.calculate_shift(
-                self.image_seq_len(height, width, num_frames), config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+                self.image_seq_len(height, width, num_frames),
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.15),
             )
         return sde.scheduler_sigmas(config, num_steps, sigmas=self.custom_sigmas(num_steps), mu=mu)
 
@@ -144,7 +147,10 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
     # ----------------------------------------------------------------------------------------- LoRA
     def _write_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> None:
         type(self.pipe).save_lora_weights(
-            str(folder), transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata, safe_serialization=True,
+            str(folder),
+            transformer_lora_layers=state_dict,
+            transformer_lora_adapter_metadata=metadata,
+            safe_serialization=True,
         )
 
     def _read_lora(self, path: Path, adapter_name: str) -> None:

@@ -35,8 +35,14 @@ class SanaFlowModel(PipelineFlowModel):
     def _encode_batch(self, prompts: list[str], negative_prompt: str | None) -> Cond:
         cfg = negative_prompt is not None
         embeds, mask, neg_embeds, neg_mask = self.pipe.encode_prompt(
-            prompts, cfg, negative_prompt=negative_prompt or "", num_images_per_prompt=1, device=self.device,
-            clean_caption=False, max_sequence_length=self.max_sequence_length, complex_human_instruction=self.complex_human_instruction,
+            prompts,
+            cfg,
+            negative_prompt=negative_prompt or "",
+            num_images_per_prompt=1,
+            device=self.device,
+            clean_caption=False,
+            max_sequence_length=self.max_sequence_length,
+            complex_human_instruction=self.complex_human_instruction,
         )
         cond = {"prompt_embeds": embeds, "prompt_attention_mask": mask}  # [N, L, D], [N, L]
         if cfg:
@@ -55,8 +61,11 @@ class SanaFlowModel(PipelineFlowModel):
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
             mask = torch.cat([cond["negative_prompt_attention_mask"], mask])
         out = self.transformer(
-            latents, encoder_hidden_states=embeds.to(latents.dtype), encoder_attention_mask=mask,
-            timestep=timestep * self.transformer.config.timestep_scale, return_dict=False,
+            latents,
+            encoder_hidden_states=embeds.to(latents.dtype),
+            encoder_attention_mask=mask,
+            timestep=timestep * self.transformer.config.timestep_scale,
+            return_dict=False,
         )[0].float()
         if cfg:
             uncond, text = out.chunk(2)

@@ -19,8 +19,13 @@ class SD3FlowModel(PipelineFlowModel):
     def _encode_batch(self, prompts: list[str], negative_prompt: str | None) -> Cond:
         cfg = negative_prompt is not None
         embeds, neg_embeds, pooled, neg_pooled = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
-            do_classifier_free_guidance=cfg, negative_prompt=[negative_prompt] * len(prompts) if cfg else None,
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=cfg,
+            negative_prompt=[negative_prompt] * len(prompts) if cfg else None,
             max_sequence_length=self.max_sequence_length,
         )
         cond = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # [N, L, D], [N, P]
@@ -40,8 +45,11 @@ class SD3FlowModel(PipelineFlowModel):
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
             pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
         out = self.transformer(
-            hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds,  # float32, as the pipeline
-            pooled_projections=pooled, return_dict=False,
+            hidden_states=latents,
+            timestep=timestep,
+            encoder_hidden_states=embeds,  # float32, as the pipeline
+            pooled_projections=pooled,
+            return_dict=False,
         )[0]
         if cfg:
             uncond, text = out.chunk(2)

@@ -70,8 +70,16 @@ def _clip_text_config():
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(
-        vocab_size=514, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=77, projection_dim=32, bos_token_id=512, eos_token_id=513, pad_token_id=513,
+        vocab_size=514,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        projection_dim=32,
+        bos_token_id=512,
+        eos_token_id=513,
+        pad_token_id=513,
         hidden_act="gelu",
     )
 
@@ -81,8 +89,16 @@ def _t5_config(d_model: int, umt5: bool = False):
 
     cls = UMT5Config if umt5 else T5Config
     return cls(
-        vocab_size=len(t5_tokenizer()), d_model=d_model, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        vocab_size=len(t5_tokenizer()),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=37,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
     )
 
 
@@ -91,10 +107,19 @@ def _tiny_autoencoder_kl():
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
-        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4, 8), layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
-        shift_factor=0.0609, scaling_factor=1.5035,
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(4, 8),
+        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=1,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
     )
 
 
@@ -104,8 +129,16 @@ def build_sd3(folder: Path) -> Path:
 
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel(
-        sample_size=16, patch_size=1, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
-        num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+        sample_size=16,
+        patch_size=1,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        caption_projection_dim=32,
+        pooled_projection_dim=64,
         pos_embed_max_size=32,
     )
     text_encoder = CLIPTextModelWithProjection(_clip_text_config())
@@ -114,9 +147,15 @@ def build_sd3(folder: Path) -> Path:
     vae = _tiny_autoencoder_kl()
     tmp = Path(tempfile.mkdtemp())
     pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=text_encoder, tokenizer=clip_tokenizer(tmp / "t1"), text_encoder_2=text_encoder_2,
-        tokenizer_2=clip_tokenizer(tmp / "t2"), text_encoder_3=text_encoder_3, tokenizer_3=t5_tokenizer(),
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=clip_tokenizer(tmp / "t1"),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=clip_tokenizer(tmp / "t2"),
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=t5_tokenizer(),
     )
     pipe.save_pretrained(folder)
     return folder
@@ -128,19 +167,35 @@ def build_flux(folder: Path) -> Path:
 
     torch.manual_seed(0)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
         axes_dims_rope=[4, 4, 8],
     )
     vae = _tiny_autoencoder_kl()
     scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
         max_image_seq_len=4096,
     )
     tmp = Path(tempfile.mkdtemp())
     pipe = FluxPipeline(
-        transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=CLIPTextModel(_clip_text_config()),
-        tokenizer=clip_tokenizer(tmp / "t1"), text_encoder_2=T5EncoderModel(_t5_config(32)), tokenizer_2=t5_tokenizer(),
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=CLIPTextModel(_clip_text_config()),
+        tokenizer=clip_tokenizer(tmp / "t1"),
+        text_encoder_2=T5EncoderModel(_t5_config(32)),
+        tokenizer_2=t5_tokenizer(),
     )
     pipe.save_pretrained(folder)
     return folder
@@ -152,31 +207,64 @@ def build_sana(folder: Path) -> Path:
 
     torch.manual_seed(0)
     transformer = SanaTransformer2DModel(
-        patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_attention_heads=2, attention_head_dim=4,
-        num_cross_attention_heads=2, cross_attention_head_dim=4, cross_attention_dim=8, caption_channels=8,
+        patch_size=1,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        num_attention_heads=2,
+        attention_head_dim=4,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=4,
+        cross_attention_dim=8,
+        caption_channels=8,
         sample_size=32,
     )
     vae = AutoencoderDC(
-        in_channels=3, latent_channels=4, attention_head_dim=2, encoder_block_types=("ResBlock", "EfficientViTBlock"),
-        decoder_block_types=("ResBlock", "EfficientViTBlock"), encoder_block_out_channels=(8, 8),
-        decoder_block_out_channels=(8, 8), encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)),
-        encoder_layers_per_block=(1, 1), decoder_layers_per_block=[1, 1], downsample_block_type="conv",
-        upsample_block_type="interpolate", decoder_norm_types="rms_norm", decoder_act_fns="silu", scaling_factor=0.41407,
+        in_channels=3,
+        latent_channels=4,
+        attention_head_dim=2,
+        encoder_block_types=("ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8),
+        encoder_qkv_multiscales=((), (5,)),
+        decoder_qkv_multiscales=((), (5,)),
+        encoder_layers_per_block=(1, 1),
+        decoder_layers_per_block=[1, 1],
+        downsample_block_type="conv",
+        upsample_block_type="interpolate",
+        decoder_norm_types="rms_norm",
+        decoder_act_fns="silu",
+        scaling_factor=0.41407,
     )
     tokenizer = gemma_tokenizer()
     text_encoder = Gemma2Model(
         Gemma2Config(
-            head_dim=16, hidden_size=8, initializer_range=0.02, intermediate_size=64, max_position_embeddings=8192,
-            model_type="gemma2", num_attention_heads=2, num_hidden_layers=1, num_key_value_heads=2,
-            vocab_size=len(tokenizer), attention_bias=False, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=2,
+            head_dim=16,
+            hidden_size=8,
+            initializer_range=0.02,
+            intermediate_size=64,
+            max_position_embeddings=8192,
+            model_type="gemma2",
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            num_key_value_heads=2,
+            vocab_size=len(tokenizer),
+            attention_bias=False,
+            rms_norm_eps=1e-6,
+            pad_token_id=0,
+            bos_token_id=2,
             eos_token_id=1,
         )
     )
     # SANA ships a multistep solver; flowrl's samplers (and the parity tests) step with the flow-matching Euler
     # scheduler at the same flow shift, which is what we save here.
     pipe = SanaPipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=text_encoder, tokenizer=tokenizer,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
     )
     pipe.save_pretrained(folder)
     return folder
@@ -188,14 +276,26 @@ def build_wan(folder: Path) -> Path:
 
     torch.manual_seed(0)
     transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=1, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=1,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     )
     vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
     pipe = WanPipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), vae=vae,
-        text_encoder=UMT5EncoderModel(_t5_config(32, umt5=True)), tokenizer=t5_tokenizer(),
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        vae=vae,
+        text_encoder=UMT5EncoderModel(_t5_config(32, umt5=True)),
+        tokenizer=t5_tokenizer(),
     )
     pipe.save_pretrained(folder)
     return folder

@@ -37,15 +37,28 @@ MAX_LENGTH = 5  # <bos> count colour shape <eos>
 
 PATCH = 2  # the UNet sees 2x2 pixel patches packed into channels: [N, 3, 32, 32] <-> [N, 12, 16, 16]
 UNET_CONFIG = dict(
-    sample_size=IMAGE_SIZE // PATCH, in_channels=3 * PATCH**2, out_channels=3 * PATCH**2,
-    block_out_channels=(32, 64, 64), layers_per_block=1,
+    sample_size=IMAGE_SIZE // PATCH,
+    in_channels=3 * PATCH**2,
+    out_channels=3 * PATCH**2,
+    block_out_channels=(32, 64, 64),
+    layers_per_block=1,
     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
     up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    cross_attention_dim=64, attention_head_dim=8, norm_num_groups=8,
+    cross_attention_dim=64,
+    attention_head_dim=8,
+    norm_num_groups=8,
 )
 TEXT_CONFIG = dict(
-    vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-    max_position_embeddings=MAX_LENGTH, pad_token_id=0, bos_token_id=1, eos_token_id=2, projection_dim=64,
+    vocab_size=len(VOCAB),
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    max_position_embeddings=MAX_LENGTH,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    projection_dim=64,
 )
 SCHEDULER_CONFIG = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0}
 DEFAULT_NUM_STEPS = 10
@@ -134,7 +147,9 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
             raise ValueError(f"toy model height={height} width={width}: use positive multiples of 8 (trained at 32)")
         return (3, height, width)
 
-    def prepare_latents(self, num: int, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE, generator=None, num_frames=None) -> torch.Tensor:
+    def prepare_latents(
+        self, num: int, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE, generator=None, num_frames=None
+    ) -> torch.Tensor:
         shape = self.latent_shape(height, width)
         if isinstance(generator, list):
             return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generator]).to(self.device)
@@ -146,7 +161,9 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
         return scheduler_sigmas(SCHEDULER_CONFIG, num_steps, sigmas=grid)
 
     # -- denoiser ---------------------------------------------------------------------------------------
-    def velocity(self, latents: torch.Tensor, sigma: float | torch.Tensor, cond: Cond, guidance_scale: float = 1.0) -> torch.Tensor:
+    def velocity(
+        self, latents: torch.Tensor, sigma: float | torch.Tensor, cond: Cond, guidance_scale: float = 1.0
+    ) -> torch.Tensor:
         n = latents.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n)  # [N]
         embeds = cond["prompt_embeds"]
@@ -175,14 +192,16 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
 
 def toy_model_from_state_dict(state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> ToyFlowModel:
     unet, text_encoder = build_unet(), build_text_encoder()
-    unet.load_state_dict({k[len("transformer."):]: v.float() for k, v in state.items() if k.startswith("transformer.")})
+    unet.load_state_dict({k[len("transformer.") :]: v.float() for k, v in state.items() if k.startswith("transformer.")})
     text_encoder.load_state_dict(
-        {k[len("text_encoder."):]: v.float() for k, v in state.items() if k.startswith("text_encoder.")}, strict=False
+        {k[len("text_encoder.") :]: v.float() for k, v in state.items() if k.startswith("text_encoder.")}, strict=False
     )
     return ToyFlowModel(unet, text_encoder, device=device, dtype=dtype)
 
 
-def load_toy_model(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, checkpoint: str | Path | None = None) -> ToyFlowModel:
+def load_toy_model(
+    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, checkpoint: str | Path | None = None
+) -> ToyFlowModel:
     """The shipped toy model (size and sha256 checked), or a checkpoint file written by scripts/pretrain_toy.py."""
     from safetensors.torch import load_file
 
@@ -191,5 +210,7 @@ def load_toy_model(device: str | torch.device = "cpu", dtype: torch.dtype = torc
     else:
         path = Path(checkpoint)
         if not path.is_file():
-            raise FileNotFoundError(f"toy checkpoint={str(path)!r} does not exist; pass a file written by scripts/pretrain_toy.py")
+            raise FileNotFoundError(
+                f"toy checkpoint={str(path)!r} does not exist; pass a file written by scripts/pretrain_toy.py"
+            )
     return toy_model_from_state_dict(load_file(str(path)), device=device, dtype=dtype)

@@ -19,8 +19,16 @@ class WanFlowModel(PipelineFlowModel):
     pipeline_classes = ("WanPipeline",)
     max_sequence_length = 512  # the pipeline's default
     default_guidance_scale = 5.0
-    lora_target_modules = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
-                           "attn2.to_v", "attn2.to_out.0")
+    lora_target_modules = (
+        "attn1.to_q",
+        "attn1.to_k",
+        "attn1.to_v",
+        "attn1.to_out.0",
+        "attn2.to_q",
+        "attn2.to_k",
+        "attn2.to_v",
+        "attn2.to_out.0",
+    )
 
     def __init__(self, pipe, device="cpu", dtype=torch.float32, train_expert: str = "high"):
         super().__init__(pipe, device, dtype)
@@ -34,8 +42,12 @@ class WanFlowModel(PipelineFlowModel):
     def _encode_batch(self, prompts: list[str], negative_prompt: str | None) -> Cond:
         cfg = negative_prompt is not None
         embeds, neg_embeds = self.pipe.encode_prompt(
-            prompt=prompts, negative_prompt=[negative_prompt] * len(prompts) if cfg else None,
-            do_classifier_free_guidance=cfg, num_videos_per_prompt=1, max_sequence_length=self.max_sequence_length, device=self.device,
+            prompt=prompts,
+            negative_prompt=[negative_prompt] * len(prompts) if cfg else None,
+            do_classifier_free_guidance=cfg,
+            num_videos_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
         )
         cond = {"prompt_embeds": embeds}  # [N, L, D]
         if cfg:

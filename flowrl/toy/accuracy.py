@@ -24,7 +24,9 @@ HEADS = ("count", "colour", "shape")
 
 
 @torch.no_grad()
-def sample_images(model, prompts: list[str], seeds: list[int], num_steps: int, guidance_scale: float, batch_size: int = 64) -> torch.Tensor:
+def sample_images(
+    model, prompts: list[str], seeds: list[int], num_steps: int, guidance_scale: float, batch_size: int = 64
+) -> torch.Tensor:
     """ODE-sampler images [N, 3, 32, 32] in [0, 1], the initial noise of sample i seeded by seeds[i]."""
     from flowrl.samplers.ode import ODESampler
     from flowrl.types import PromptBatch
@@ -33,7 +35,9 @@ def sample_images(model, prompts: list[str], seeds: list[int], num_steps: int, g
     out = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        batch = PromptBatch(prompts=chunk, group_ids=torch.arange(len(chunk)), seeds=torch.tensor(seeds[start : start + batch_size]))
+        batch = PromptBatch(
+            prompts=chunk, group_ids=torch.arange(len(chunk)), seeds=torch.tensor(seeds[start : start + batch_size])
+        )
         out.append(sampler(model, batch).images)
     return torch.cat(out)
 
@@ -58,8 +62,11 @@ def exact_accuracy(images: torch.Tensor, prompts: list[str]) -> dict:
 
     out = REWARDS.build("toy_exact")(images, prompts, [{} for _ in prompts])
     parts = {name: values.float().mean().item() for name, values in out.parts.items()}
-    result = {"accuracy": out.scores.float().mean().item(), "impossible_count_rate": parts["impossible_count"],
-              "mixed_colour_rate": parts["mixed_colours"]}
+    result = {
+        "accuracy": out.scores.float().mean().item(),
+        "impossible_count_rate": parts["impossible_count"],
+        "mixed_colour_rate": parts["mixed_colours"],
+    }
     result.update({f"{h}_accuracy": parts[h] for h in HEADS})
     return {k: round(v, 4) for k, v in result.items()}
 
@@ -95,7 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "num_per_prompt": args.num_per_prompt}
     for split in args.splits.split(","):
         start = time.time()
-        metrics, images, _ = split_accuracy(model, judge, split, args.num_per_prompt, args.num_steps, args.guidance_scale, args.seed)
+        metrics, images, _ = split_accuracy(
+            model, judge, split, args.num_per_prompt, args.num_steps, args.guidance_scale, args.seed
+        )
         metrics["seconds"] = round(time.time() - start, 1)
         result[split] = metrics
         if args.grid and split == args.splits.split(",")[0]:

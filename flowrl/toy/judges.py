@@ -52,13 +52,18 @@ class AttributeJudge(nn.Module):
         extra = int(other_class)
         self.features = nn.Sequential(
             _conv(3, width),  # 32x32
-            _conv(width, 2 * width, stride=2), _conv(2 * width, 2 * width),  # 16x16
-            _conv(2 * width, 4 * width, stride=2), _conv(4 * width, 4 * width),  # 8x8
+            _conv(width, 2 * width, stride=2),
+            _conv(2 * width, 2 * width),  # 16x16
+            _conv(2 * width, 4 * width, stride=2),
+            _conv(4 * width, 4 * width),  # 8x8
             _conv(4 * width, 8 * width, stride=2),  # 4x4
         )
         self.trunk = nn.Sequential(nn.Flatten(), nn.Linear(8 * width * 16, 256), nn.GELU())
         self.heads = nn.ModuleDict(
-            {name: nn.Linear(256, len(classes) + extra) for name, classes in (("count", COUNTS), ("colour", COLOURS), ("shape", SHAPES))}
+            {
+                name: nn.Linear(256, len(classes) + extra)
+                for name, classes in (("count", COUNTS), ("colour", COLOURS), ("shape", SHAPES))
+            }
         )
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -72,8 +77,10 @@ class ArtifactJudge(nn.Module):
     def __init__(self, width: int = 16):
         super().__init__()
         self.features = nn.Sequential(
-            _conv(3, width), _conv(width, width),  # 32x32: noise, stripes, block edges live at this scale
-            _conv(width, 2 * width, stride=2), _conv(2 * width, 2 * width),  # 16x16
+            _conv(3, width),
+            _conv(width, width),  # 32x32: noise, stripes, block edges live at this scale
+            _conv(width, 2 * width, stride=2),
+            _conv(2 * width, 2 * width),  # 16x16
             _conv(2 * width, 2 * width, stride=2),  # 8x8
         )
         self.head = nn.Sequential(nn.Linear(4 * width, 64), nn.GELU(), nn.Linear(64, 1))
@@ -98,8 +105,10 @@ def _has_other_class(state: dict[str, torch.Tensor], path: Path) -> bool:
     weight = state.get("heads.count.weight")
     found = "no heads.count.weight" if weight is None else f"heads.count.weight with {weight.shape[0]} rows"
     if weight is None or weight.shape[0] not in (len(COUNTS), len(COUNTS) + 1):
-        raise ValueError(f"{path} has {found} (an attribute judge has {len(COUNTS)} or {len(COUNTS) + 1}); "
-                         "pass a file written by scripts/train_toy_judges.py --judge attributes")
+        raise ValueError(
+            f"{path} has {found} (an attribute judge has {len(COUNTS)} or {len(COUNTS) + 1}); "
+            "pass a file written by scripts/train_toy_judges.py --judge attributes"
+        )
     return weight.shape[0] == len(COUNTS) + 1
 
 
@@ -116,7 +125,9 @@ def load_judge(kind: str, checkpoint: str | Path | None = None, device="cpu", dt
     else:
         path = Path(checkpoint)
         if not path.is_file():
-            raise FileNotFoundError(f"checkpoint={str(path)!r} does not exist; pass a file written by scripts/train_toy_judges.py")
+            raise FileNotFoundError(
+                f"checkpoint={str(path)!r} does not exist; pass a file written by scripts/train_toy_judges.py"
+            )
     state = {k: v.float() for k, v in load_file(str(path)).items()}
     judge = cls() if kind == "artifact" else AttributeJudge(other_class=_has_other_class(state, path))
     judge.load_state_dict(state)

@@ -30,8 +30,10 @@ COLOUR_RGB = {
     "yellow": (0.95, 0.85, 0.12),
 }
 BACKGROUND_RGB = (0.10, 0.10, 0.12)
-GRAMMAR = "<count> <colour> <shape>  with count in {one, two, three}, colour in {red, green, blue, yellow}, " \
+GRAMMAR = (
+    "<count> <colour> <shape>  with count in {one, two, three}, colour in {red, green, blue, yellow}, "
     "shape in {circle, square, triangle} (plural after two/three), e.g. 'two red circles'"
+)
 
 CORRUPTIONS = ("noise", "blocking", "stripes", "saturation")
 
@@ -242,6 +244,7 @@ def impossible_items(kind: str, generator: torch.Generator) -> list[tuple[str, s
     """The (colour, shape) items of one scene the world never renders: "empty" (no shape), "four" or "five" alike
     shapes, "mixed_colours" (two or three alike shapes in at least two colours), "mixed_shapes" (at least two shapes
     in one colour)."""
+
     def pick(pool: tuple[str, ...], num: int = 1) -> list[str]:
         return [pool[i] for i in torch.randint(len(pool), (num,), generator=generator).tolist()]
 

@@ -98,8 +98,10 @@ class GRPOTrainer:
 
         self.cfg, t = cfg, cfg.train
         if t.num_minibatches % t.gradient_accumulation_steps:
-            raise ValueError(f"train.gradient_accumulation_steps={t.gradient_accumulation_steps} must divide "
-                             f"train.num_minibatches={t.num_minibatches}")
+            raise ValueError(
+                f"train.gradient_accumulation_steps={t.gradient_accumulation_steps} must divide "
+                f"train.num_minibatches={t.num_minibatches}"
+            )
         if t.kl_form not in sde.KL_FORMS:
             raise ValueError(f"train.kl_form={t.kl_form!r} must be one of {', '.join(sde.KL_FORMS)}")
         if t.kl_coef > 0 and not cfg.model.use_lora:
@@ -107,17 +109,23 @@ class GRPOTrainer:
         self.accelerator = acc = accelerator or make_accelerator(cfg)
         self.run = RunFolder(cfg.output_dir, cfg.name)
         b, g = cfg.data.num_prompts_per_step, cfg.data.group_size
-        self.prompt_sampler = GroupedPromptSampler(load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data"),
-                                                   b, g, cfg.seed)
+        self.prompt_sampler = GroupedPromptSampler(
+            load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data"), b, g, cfg.seed
+        )
         self.prompt_sampler.local_batch(0, acc.process_index, acc.num_processes)  # checks the split over processes
         self.local_n = b * g // acc.num_processes
         if self.local_n % t.num_minibatches or self.local_n % t.num_rollout_batches:
-            raise ValueError(f"the {self.local_n} samples per process do not split into train.num_minibatches="
-                             f"{t.num_minibatches} and train.num_rollout_batches={t.num_rollout_batches}")
+            raise ValueError(
+                f"the {self.local_n} samples per process do not split into train.num_minibatches="
+                f"{t.num_minibatches} and train.num_rollout_batches={t.num_rollout_batches}"
+            )
         if t.num_minibatches != t.num_rollout_batches:
-            warnings.warn(f"rollout chunks of {self.local_n // t.num_rollout_batches} samples but minibatches of "
-                          f"{self.local_n // t.num_minibatches}: on accelerators the first-pass ratio may differ from 1 "
-                          "by rounding; set train.num_minibatches = train.num_rollout_batches", stacklevel=2)
+            warnings.warn(
+                f"rollout chunks of {self.local_n // t.num_rollout_batches} samples but minibatches of "
+                f"{self.local_n // t.num_minibatches}: on accelerators the first-pass ratio may differ from 1 "
+                "by rounding; set train.num_minibatches = train.num_rollout_batches",
+                stacklevel=2,
+            )
         set_seed(cfg.seed)  # every process starts from the same adapter
         self.model = build_policy(cfg.model, acc.device)
         self.opt = OptimizerStep(acc, self.model.transformer, t, self.local_n // t.num_minibatches, cfg.model.mixed_precision)
@@ -172,11 +180,17 @@ class GRPOTrainer:
 
         # 7. Log
         wall = time.perf_counter() - started
-        metrics.update({
-            "perf/step_s": wall, "perf/rollout_s": rollout_s, "perf/reward_s": local.seconds, "perf/optimise_s": optimise_s,
-            "perf/samples_per_s": self.local_n * acc.num_processes / wall, "train/reward_errors": float(errors),
-            "train/kept_samples": float(keep.sum()),
-        })
+        metrics.update(
+            {
+                "perf/step_s": wall,
+                "perf/rollout_s": rollout_s,
+                "perf/reward_s": local.seconds,
+                "perf/optimise_s": optimise_s,
+                "perf/samples_per_s": self.local_n * acc.num_processes / wall,
+                "train/reward_errors": float(errors),
+                "train/kept_samples": float(keep.sum()),
+            }
+        )
         self.step += 1
         return metrics
 
@@ -188,8 +202,10 @@ class GRPOTrainer:
         gen = seed_formulas.step_generator(self.cfg.seed, self.step)
         steps = trained_transitions(rollout, t.timestep_fraction, t.shuffle_timesteps, gen)
         if self.opt.sharding.kind is not None and len({len(s) for s in steps}) > 1:
-            raise ValueError("samples with different numbers of trained transitions cannot train under FSDP2 / ZeRO-2 "
-                             "(every process must run the same backward calls); use equal SDE windows")
+            raise ValueError(
+                "samples with different numbers of trained transitions cannot train under FSDP2 / ZeRO-2 "
+                "(every process must run the same backward calls); use equal SDE windows"
+            )
         mb, accum = n // t.num_minibatches, t.gradient_accumulation_steps
         sigmas = rollout.sigmas.to(acc.device)
         stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("loss", "policy_loss", "kl", "ratio", "clipped", "approx_kl")}
@@ -228,17 +244,31 @@ class GRPOTrainer:
                     self.ema.update(self.opt.params, self.opt.optimizer_steps)
         ratio = torch.cat(stats["ratio"])
         return {
-            "train/loss": float(torch.stack(stats["loss"]).mean()), "train/policy_loss": float(torch.stack(stats["policy_loss"]).mean()),
-            "train/kl": float(torch.stack(stats["kl"]).mean()), "train/clip_fraction": float(torch.cat(stats["clipped"]).mean()),
-            "train/approx_kl": float(torch.cat(stats["approx_kl"]).mean()), "train/ratio_mean": float(ratio.mean()),
-            "train/ratio_min": float(ratio.min()), "train/ratio_max": float(ratio.max()), **self.opt.metrics(),
+            "train/loss": float(torch.stack(stats["loss"]).mean()),
+            "train/policy_loss": float(torch.stack(stats["policy_loss"]).mean()),
+            "train/kl": float(torch.stack(stats["kl"]).mean()),
+            "train/clip_fraction": float(torch.cat(stats["clipped"]).mean()),
+            "train/approx_kl": float(torch.cat(stats["approx_kl"]).mean()),
+            "train/ratio_mean": float(ratio.mean()),
+            "train/ratio_min": float(ratio.min()),
+            "train/ratio_max": float(ratio.max()),
+            **self.opt.metrics(),
         }
 
     # ------------------------------------------------------------------------------------------ state
     def save(self):
         state = {"prompt_sampler_position": self.step * self.cfg.data.num_prompts_per_step, "counters": self.counters}
-        return save_training_state(self.accelerator, self.run.root, self.step, self.opt, self.ema, self.model, state,
-                                   dump_config(self.cfg), self.cfg.checkpoint.keep_last)
+        return save_training_state(
+            self.accelerator,
+            self.run.root,
+            self.step,
+            self.opt,
+            self.ema,
+            self.model,
+            state,
+            dump_config(self.cfg),
+            self.cfg.checkpoint.keep_last,
+        )
 
     def resume(self, path) -> None:
         state = restore_training_state(path, self.accelerator, self.opt, self.ema, to_dict(self.cfg))
@@ -257,10 +287,18 @@ class GRPOTrainer:
         use_ema = self.cfg.eval.use_ema and self.ema is not None and step is not None and self.ema.num_updates > 0
         weights = "base" if step is None else ("ema" if use_ema else "raw")
         nothing = contextlib.nullcontext()
-        with self.ema.swapped(self.opt.params) if use_ema else nothing, \
-             self.model.adapter_disabled() if step is None and self.model.has_lora else nothing:
-            return self.evaluator.run_in_training(self.accelerator, self.opt.sharding.kind == "fsdp", self.run.eval_dir(step),
-                                                  step or 0, step_dir_name(step), weights)
+        with (
+            self.ema.swapped(self.opt.params) if use_ema else nothing,
+            self.model.adapter_disabled() if step is None and self.model.has_lora else nothing,
+        ):
+            return self.evaluator.run_in_training(
+                self.accelerator,
+                self.opt.sharding.kind == "fsdp",
+                self.run.eval_dir(step),
+                step or 0,
+                step_dir_name(step),
+                weights,
+            )
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -270,7 +308,9 @@ class GRPOTrainer:
         if resume is not None:
             self.resume(resume)
         self.run.start(acc, dump_config(cfg), self.opt.sharding.kind, cfg.model.mixed_precision)
-        acc.init_trackers(cfg.name, config={k: v for k, v in flatten(to_dict(cfg)).items() if isinstance(v, (int, float, str, bool))})
+        acc.init_trackers(
+            cfg.name, config={k: v for k, v in flatten(to_dict(cfg)).items() if isinstance(v, (int, float, str, bool))}
+        )
         if self.step == 0:
             self.evaluate(None)
         bar = progress_bar(cfg.logging.progress_bar and acc.is_main_process, cfg.num_steps, self.step, f"grpo {cfg.name}")

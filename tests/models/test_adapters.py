@@ -22,8 +22,14 @@ def pipeline_call(pipe, family, prompts, seeds, steps, guidance, output_type, **
     if family == "sana":
         kwargs["use_resolution_binning"] = False
     out = pipe(
-        prompts, height=h, width=w, num_inference_steps=steps, guidance_scale=guidance, output_type=output_type,
-        generator=[torch.Generator().manual_seed(s) for s in seeds], **kwargs,
+        prompts,
+        height=h,
+        width=w,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        output_type=output_type,
+        generator=[torch.Generator().manual_seed(s) for s in seeds],
+        **kwargs,
     )
     return (out.frames if family == "wan" else out.images).float()
 
@@ -61,14 +67,17 @@ def test_initial_latents_equal_pipeline_for_same_seed(tiny_model, family):
     ours = model.prepare_latents(1, h, w, torch.Generator().manual_seed(42), f)
     pipe = model.pipe
     if family == "flux":
-        theirs, _ = pipe.prepare_latents(1, pipe.transformer.config.in_channels // 4, h, w, torch.float32, "cpu",
-                                         torch.Generator().manual_seed(42))
+        theirs, _ = pipe.prepare_latents(
+            1, pipe.transformer.config.in_channels // 4, h, w, torch.float32, "cpu", torch.Generator().manual_seed(42)
+        )
     elif family == "wan":
-        theirs = pipe.prepare_latents(1, pipe.transformer.config.in_channels, h, w, f, torch.float32, "cpu",
-                                      torch.Generator().manual_seed(42))
+        theirs = pipe.prepare_latents(
+            1, pipe.transformer.config.in_channels, h, w, f, torch.float32, "cpu", torch.Generator().manual_seed(42)
+        )
     else:
-        theirs = pipe.prepare_latents(1, pipe.transformer.config.in_channels, h, w, torch.float32, "cpu",
-                                      torch.Generator().manual_seed(42))
+        theirs = pipe.prepare_latents(
+            1, pipe.transformer.config.in_channels, h, w, torch.float32, "cpu", torch.Generator().manual_seed(42)
+        )
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
@@ -210,8 +219,13 @@ def test_sd3_passes_float32_timesteps_as_the_pipeline_does(tiny_pipeline):
         v = model.velocity(x, sigma, cond, 1.0)
 
         def call(timestep):
-            return model.transformer(hidden_states=x.bfloat16(), timestep=timestep, encoder_hidden_states=cond["prompt_embeds"],
-                                     pooled_projections=cond["pooled_prompt_embeds"], return_dict=False)[0].float()
+            return model.transformer(
+                hidden_states=x.bfloat16(),
+                timestep=timestep,
+                encoder_hidden_states=cond["prompt_embeds"],
+                pooled_projections=cond["pooled_prompt_embeds"],
+                return_dict=False,
+            )[0].float()
 
         float32 = call(sigma * 1000)
         rounded = call((sigma * 1000).bfloat16())
@@ -225,8 +239,29 @@ def test_sample_cli_max_sequence_length_equals_the_pipeline(tiny_pipeline, tmp_p
 
     from flowrl.cli import main
 
-    rc = main(["sample", "--model", tiny_pipeline("sd3"), "--prompt", PROMPTS[1], "--seed", str(SEEDS[1]), "--num-steps", "3",
-               "--guidance-scale", "4.5", "--height", "32", "--width", "32", "--max-sequence-length", "8", "--out", str(tmp_path)])
+    rc = main(
+        [
+            "sample",
+            "--model",
+            tiny_pipeline("sd3"),
+            "--prompt",
+            PROMPTS[1],
+            "--seed",
+            str(SEEDS[1]),
+            "--num-steps",
+            "3",
+            "--guidance-scale",
+            "4.5",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--max-sequence-length",
+            "8",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     (png,) = tmp_path.glob("*.png")
     pipe = DiffusionPipeline.from_pretrained(tiny_pipeline("sd3"))

@@ -12,30 +12,74 @@ from flowrl.types import PromptBatch
 
 def test_sample_writes_pngs_equal_to_the_sampler(tiny_pipeline, tiny_model, tmp_path):
     out = tmp_path / "out"
-    rc = main(["sample", "--model", tiny_pipeline("sd3"), "--prompt", "a red cat", "--prompt", "a dog", "--seed", "4",
-               "--num-steps", "3", "--guidance-scale", "2.0", "--height", "32", "--width", "32", "--out", str(out)])
+    rc = main(
+        [
+            "sample",
+            "--model",
+            tiny_pipeline("sd3"),
+            "--prompt",
+            "a red cat",
+            "--prompt",
+            "a dog",
+            "--seed",
+            "4",
+            "--num-steps",
+            "3",
+            "--guidance-scale",
+            "2.0",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     files = sorted(out.glob("*.png"))
     assert [f.name for f in files] == ["000_seed4_a_red_cat.png", "001_seed4_a_dog.png"]
     rollout = SAMPLERS.get("ode")(num_steps=3, height=32, width=32, guidance_scale=2.0)(
-        tiny_model("sd3"), PromptBatch(["a red cat"], torch.tensor([0]), seeds=torch.tensor([4])))
+        tiny_model("sd3"), PromptBatch(["a red cat"], torch.tensor([0]), seeds=torch.tensor([4]))
+    )
     expected = (rollout.images[0] * 255).round().clamp(0, 255).byte().permute(1, 2, 0).numpy()
     assert np.array_equal(np.asarray(Image.open(files[0])), expected)
 
 
 def test_sample_video_writes_a_clip_and_a_strip(tiny_pipeline, tmp_path):
-    rc = main(["sample", "--model", tiny_pipeline("wan"), "--prompt", "waves", "--num-steps", "2", "--height", "16",
-               "--width", "16", "--num-frames", "5", "--sampler", "sde", "--out", str(tmp_path)])
+    rc = main(
+        [
+            "sample",
+            "--model",
+            tiny_pipeline("wan"),
+            "--prompt",
+            "waves",
+            "--num-steps",
+            "2",
+            "--height",
+            "16",
+            "--width",
+            "16",
+            "--num-frames",
+            "5",
+            "--sampler",
+            "sde",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     clips = [p for p in tmp_path.iterdir() if p.suffix in (".mp4", ".gif")]
     strip = Image.open(next(tmp_path.glob("*_strip.png")))
     assert len(clips) == 1 and strip.size == (16 * 5, 16)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--model", "/no/such/dir"], "neither an existing folder nor a hub id"),
-    (["--height", "31"], "height=31 is not a positive multiple of 2"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "/no/such/dir"], "neither an existing folder nor a hub id"),
+        (["--height", "31"], "height=31 is not a positive multiple of 2"),
+    ],
+)
 def test_sample_bad_input_is_one_line(tiny_pipeline, tmp_path, capsys, args, message):
     base = {"--model": tiny_pipeline("sd3"), "--height": "32"}
     base.update(dict(zip(args[::2], args[1::2])))
@@ -55,8 +99,9 @@ def test_num_images_per_prompt_equals_single_seed_calls_and_the_per_seed_draw(tm
     common = ["sample", "--model", "toy", "--prompt", prompts[0], "--prompt", prompts[1], "--num-steps", "2"]
     assert main(common + ["--seed", str(seed), "--num-images-per-prompt", str(num), "--out", str(tmp_path / "many")]) == 0
     names = sorted(p.name for p in (tmp_path / "many").glob("*.png"))
-    assert names == sorted(f"{i:03d}_seed{seed + k}_{slug}.png" for i, slug in enumerate(["two_red_circles", "one_blue_square"])
-                           for k in range(num))
+    assert names == sorted(
+        f"{i:03d}_seed{seed + k}_{slug}.png" for i, slug in enumerate(["two_red_circles", "one_blue_square"]) for k in range(num)
+    )
     model = load_flow_model("toy")
     sampler = SAMPLERS.get("ode")(num_steps=2, height=32, width=32)
     for k in range(num):
@@ -82,24 +127,41 @@ def test_sample_with_a_trained_checkpoints_lora_equals_the_trained_model_in_proc
     from flowrl.trainers import build_config, build_trainer
 
     prompts, seed, steps = ["two red circles", "one blue square"], 3, 2
-    cfg = build_config({
-        "name": "lora", "output_dir": str(tmp_path / "runs"), "device": "cpu", "num_steps": 1, "seed": 1,
-        "model": {"path": "toy", "lora_rank": 4, "lora_alpha": 8},
-        "data": {"prompts": prompts, "num_prompts_per_step": 2, "group_size": 2},
-        "sampler": {"name": "sde", "num_steps": 2, "noise_level": 0.8},
-        "rewards": [{"name": "toy_attributes"}],
-        "train": {"learning_rate": 5e-2, "clip_range": 1e-2, "use_ema": False, "use_async_rewards": False},
-        "eval": {"num_steps": 1, "seeds": [0], "prompts": prompts[:1]},
-        "logging": {"trackers": [], "progress_bar": False},
-    })
+    cfg = build_config(
+        {
+            "name": "lora",
+            "output_dir": str(tmp_path / "runs"),
+            "device": "cpu",
+            "num_steps": 1,
+            "seed": 1,
+            "model": {"path": "toy", "lora_rank": 4, "lora_alpha": 8},
+            "data": {"prompts": prompts, "num_prompts_per_step": 2, "group_size": 2},
+            "sampler": {"name": "sde", "num_steps": 2, "noise_level": 0.8},
+            "rewards": [{"name": "toy_attributes"}],
+            "train": {"learning_rate": 5e-2, "clip_range": 1e-2, "use_ema": False, "use_async_rewards": False},
+            "eval": {"num_steps": 1, "seeds": [0], "prompts": prompts[:1]},
+            "logging": {"trackers": [], "progress_bar": False},
+        }
+    )
     trainer = build_trainer(cfg)
     trainer.train()
     checkpoint = cfg.run_dir / "checkpoints" / "step_000001"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["lora_weights"] == "raw"
 
     out = tmp_path / "out"
-    argv = ["sample", "--model", "toy", "--lora", str(checkpoint / "lora"), "--seed", str(seed), "--num-steps", str(steps),
-            "--out", str(out)]
+    argv = [
+        "sample",
+        "--model",
+        "toy",
+        "--lora",
+        str(checkpoint / "lora"),
+        "--seed",
+        str(seed),
+        "--num-steps",
+        str(steps),
+        "--out",
+        str(out),
+    ]
     assert main(argv + [x for p in prompts for x in ("--prompt", p)]) == 0
     files = sorted(out.glob("*.png"))
     assert [f.name for f in files] == [f"000_seed{seed}_two_red_circles.png", f"001_seed{seed}_one_blue_square.png"]

@@ -17,12 +17,26 @@ class ChromiumPage:
         import websocket
 
         self.process = subprocess.Popen(
-            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-extensions",
-             "--disable-dev-shm-usage",
-             f"--user-data-dir={profile}", "--remote-debugging-port=0", "--remote-allow-origins=*",
-             "--window-size=1400,1000", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                binary,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                "--disable-extensions",
+                "--disable-dev-shm-usage",
+                f"--user-data-dir={profile}",
+                "--remote-debugging-port=0",
+                "--remote-allow-origins=*",
+                "--window-size=1400,1000",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         port_file = profile / "DevToolsActivePort"
         deadline = time.time() + 30
         while not (port_file.is_file() and port_file.read_text().strip()):

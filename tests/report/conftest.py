@@ -40,10 +40,17 @@ def evaluated_run(tiny_model, tmp_path_factory):
     run = tmp_path_factory.mktemp("runs") / "tiny_sd3"
     model = tiny_model("sd3")
     sampler = SAMPLERS.get("ode")(num_steps=2, height=32, width=32, guidance_scale=1.0)
-    rewards = {name: REWARDS.build(name, device="cpu", dtype=torch.float32)
-               for name in ("jpeg_compressibility", "jpeg_incompressibility")}
-    common = dict(prompts=["a red circle", "two blue squares"], seeds=[3, 5, 8], sampler=sampler,
-                  train_reward_names=["jpeg_incompressibility"], batch_size=4)
+    rewards = {
+        name: REWARDS.build(name, device="cpu", dtype=torch.float32)
+        for name in ("jpeg_compressibility", "jpeg_incompressibility")
+    }
+    common = dict(
+        prompts=["a red circle", "two blue squares"],
+        seeds=[3, 5, 8],
+        sampler=sampler,
+        train_reward_names=["jpeg_incompressibility"],
+        batch_size=4,
+    )
     base = evaluate(model, rewards, run / "eval" / "base", step=0, label="base", **common)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -54,7 +61,17 @@ def evaluated_run(tiny_model, tmp_path_factory):
     (run / "config.yaml").write_text("model:\n  path: tiny-sd3\nrewards:\n  - name: jpeg_incompressibility\n")
     with open(run / "metrics.jsonl", "w") as f:
         for step in (1, 2):
-            f.write(json.dumps({"step": step, "time": float(step), "train/loss": 0.5 / step, "train/kl": 0.001 * step,
-                                "reward/jpeg_incompressibility/mean": 1.4 + 0.02 * step,
-                                "reward/jpeg_incompressibility/std": 0.1}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "time": float(step),
+                        "train/loss": 0.5 / step,
+                        "train/kl": 0.001 * step,
+                        "reward/jpeg_incompressibility/mean": 1.4 + 0.02 * step,
+                        "reward/jpeg_incompressibility/std": 0.1,
+                    }
+                )
+                + "\n"
+            )
     return {"run": run, "base": base, "later": later, "model": model, "sampler": sampler, "rewards": rewards, **common}

@@ -16,9 +16,19 @@ def colour(step_index: int, p: int, s: int, frame: int = 0) -> tuple[int, int, i
     return (30 + 50 * p) % 256, (20 + 70 * s + 25 * frame) % 256, (10 + 90 * step_index) % 256
 
 
-def fabricate_run(root: Path, name: str, *, prompts: list[str], seeds: list[int], steps: list[int],
-                  video: bool = False, num_frames: int = 3, size: int = 16, scores_fn=None,
-                  checkpoints: bool = True) -> Path:
+def fabricate_run(
+    root: Path,
+    name: str,
+    *,
+    prompts: list[str],
+    seeds: list[int],
+    steps: list[int],
+    video: bool = False,
+    num_frames: int = 3,
+    size: int = 16,
+    scores_fn=None,
+    checkpoints: bool = True,
+) -> Path:
     """runs/<name> in the trainer's layout: config.yaml, metrics.jsonl, checkpoints/, eval/base + eval/step_*.
 
     `scores_fn(step_index, p, s) -> {reward: value or None}`; per-prompt means, overall means and diversity are
@@ -30,8 +40,19 @@ def fabricate_run(root: Path, name: str, *, prompts: list[str], seeds: list[int]
     (run / "config.yaml").write_text(f"model:\n  path: toy\nrewards:\n  - name: {TRAIN}\neval:\n  gold_rewards: [{GOLD}]\n")
     with open(run / "metrics.jsonl", "w") as f:
         for step in range(1, max(steps) + 1):
-            f.write(json.dumps({"step": step, "time": float(step), "train/loss": 1.0 / step, "train/kl": 0.01 * step,
-                                f"reward/{TRAIN}/mean": 0.5 + 0.01 * step, f"reward/{TRAIN}/std": 0.05}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "time": float(step),
+                        "train/loss": 1.0 / step,
+                        "train/kl": 0.01 * step,
+                        f"reward/{TRAIN}/mean": 0.5 + 0.01 * step,
+                        f"reward/{TRAIN}/std": 0.05,
+                    }
+                )
+                + "\n"
+            )
     for k, step in enumerate(steps):
         folder = run / "eval" / ("base" if step == 0 else f"step_{step:06d}")
         folder.mkdir(parents=True)
@@ -55,17 +76,28 @@ def fabricate_run(root: Path, name: str, *, prompts: list[str], seeds: list[int]
                     sample["image"] = f"{stem}.png"
                 samples.append(sample)
         names = list(samples[0]["scores"])
-        per_prompt = {n: [_mean([x["scores"][n] for x in samples if x["prompt_index"] == p]) for p in range(len(prompts))]
-                      for n in names}
+        per_prompt = {
+            n: [_mean([x["scores"][n] for x in samples if x["prompt_index"] == p]) for p in range(len(prompts))] for n in names
+        }
         diversity = [0.3 - 0.1 * k + 0.01 * p for p in range(len(prompts))]
-        (folder / "scores.json").write_text(json.dumps({
-            "format": "flowrl.eval/1", "step": step, "label": folder.name, "is_video": video, "prompts": prompts,
-            "seeds": seeds, "metadata": [{} for _ in prompts],
-            "rewards": {"train": [n for n in names if n == TRAIN], "gold": [n for n in names if n != TRAIN]},
-            "samples": samples, "per_prompt": per_prompt,
-            "means": {n: _mean([x["scores"][n] for x in samples]) for n in names},
-            "diversity": {"space": "pixel", "per_prompt": diversity, "mean": float(np.mean(diversity))},
-        }))
+        (folder / "scores.json").write_text(
+            json.dumps(
+                {
+                    "format": "flowrl.eval/1",
+                    "step": step,
+                    "label": folder.name,
+                    "is_video": video,
+                    "prompts": prompts,
+                    "seeds": seeds,
+                    "metadata": [{} for _ in prompts],
+                    "rewards": {"train": [n for n in names if n == TRAIN], "gold": [n for n in names if n != TRAIN]},
+                    "samples": samples,
+                    "per_prompt": per_prompt,
+                    "means": {n: _mean([x["scores"][n] for x in samples]) for n in names},
+                    "diversity": {"space": "pixel", "per_prompt": diversity, "mean": float(np.mean(diversity))},
+                }
+            )
+        )
     return run
 
 

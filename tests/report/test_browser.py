@@ -25,7 +25,7 @@ def _check_page(chromium, index, shot):
     fetched = [u for u in chromium.requested_urls() if not u.startswith("data:")]
     assert fetched == [index.resolve().as_uri()]
     page = index.read_text()
-    assert "<script" not in page and "<link rel=\"stylesheet\"" not in page and "@import" not in page and "url(" not in page
+    assert "<script" not in page and '<link rel="stylesheet"' not in page and "@import" not in page and "url(" not in page
     assert facts["images"], "the page shows no image"
     broken = [i for i in facts["images"] if not (i["complete"] and i["w"] > 0 and i["h"] > 0)]
     assert broken == []
@@ -42,8 +42,11 @@ def test_report_of_a_small_real_run_in_chromium(chromium, evaluated_run, tmp_pat
     num_samples = len(base["samples"])
     # every sample of both evals, plus the curves and the hacking plot
     assert len(facts["images"]) == 2 * num_samples + 2
-    cells = {(c.get("kind", "value"), c["step"], c["reward"], c["prompt"]): c["text"] for c in facts["cells"]
-             if c.get("run") == "tiny_sd3" and c.get("kind") != "hacking"}
+    cells = {
+        (c.get("kind", "value"), c["step"], c["reward"], c["prompt"]): c["text"]
+        for c in facts["cells"]
+        if c.get("run") == "tiny_sd3" and c.get("kind") != "hacking"
+    }
     checked = 0
     for reward in ("jpeg_compressibility", "jpeg_incompressibility"):
         for p in range(len(base["prompts"])):
@@ -75,8 +78,9 @@ def test_report_of_a_small_real_run_in_chromium(chromium, evaluated_run, tmp_pat
 
 
 def test_gaps_are_stated_in_chromium(chromium, tmp_path):
-    run = fabricate_run(tmp_path, "gappy", prompts=["one red circle", "two green triangles"], seeds=[0, 1], steps=[0, 3, 6],
-                        video=True)
+    run = fabricate_run(
+        tmp_path, "gappy", prompts=["one red circle", "two green triangles"], seeds=[0, 1], steps=[0, 3, 6], video=True
+    )
     (run / "eval" / "step_000003" / "p000_s001_strip.png").unlink()
     (run / "eval" / "step_000006" / "p001_s000.gif").unlink()
     with open(run / "metrics.jsonl", "a") as f:
@@ -85,8 +89,12 @@ def test_gaps_are_stated_in_chromium(chromium, tmp_path):
     build_report(run, out_dir=tmp_path / "report")
     facts = _check_page(chromium, tmp_path / "report" / "index.html", tmp_path / "screenshot.png")
     gaps = "\n".join(facts["gaps"])
-    for text in ("eval/step_000003/p000_s001_strip.png is missing", "eval/step_000006/p001_s000.gif is missing",
-                 "metrics.jsonl line 7 is not valid JSON", "checkpoints/step_000006/ is missing"):
+    for text in (
+        "eval/step_000003/p000_s001_strip.png is missing",
+        "eval/step_000006/p001_s000.gif is missing",
+        "metrics.jsonl line 7 is not valid JSON",
+        "checkpoints/step_000006/ is missing",
+    ):
         assert text in gaps
     assert len(facts["gaps"]) == 4
     assert "missing p000_s001_strip.png" in facts["text"] and "missing p001_s000.gif" in facts["text"]
@@ -96,13 +104,25 @@ def test_gaps_are_stated_in_chromium(chromium, tmp_path):
 
 def test_compare_in_chromium(chromium, tmp_path):
     a = fabricate_run(tmp_path, "alpha", prompts=["one red circle"], seeds=[0, 1], steps=[0, 10])
-    b = fabricate_run(tmp_path, "beta", prompts=["one red circle"], seeds=[0, 1], steps=[0, 10],
-                      scores_fn=lambda k, p, s: {"toy_attributes": 5.0 + k, "toy_artifact": 7.0 - 3 * k})
+    b = fabricate_run(
+        tmp_path,
+        "beta",
+        prompts=["one red circle"],
+        seeds=[0, 1],
+        steps=[0, 10],
+        scores_fn=lambda k, p, s: {"toy_attributes": 5.0 + k, "toy_artifact": 7.0 - 3 * k},
+    )
     build_report(a, [b], out_dir=tmp_path / "report")
     facts = _check_page(chromium, tmp_path / "report" / "index.html", tmp_path / "screenshot.png")
     for run_dir, name in ((a, "alpha"), (b, "beta")):
         later = json.loads((run_dir / "eval" / "step_000010" / "scores.json").read_text())
-        shown = [c for c in facts["cells"] if c.get("run") == name and c.get("kind") == "overview"
-                 and c["step"] == "step_000010" and c["reward"] == "toy_artifact"]
+        shown = [
+            c
+            for c in facts["cells"]
+            if c.get("run") == name
+            and c.get("kind") == "overview"
+            and c["step"] == "step_000010"
+            and c["reward"] == "toy_artifact"
+        ]
         assert len(shown) == 1 and _number(shown[0]["text"]) == pytest.approx(later["means"]["toy_artifact"], rel=1e-3)
     assert "flowrl report: alpha, beta" in facts["text"]

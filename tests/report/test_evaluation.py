@@ -52,7 +52,10 @@ def test_scores_and_means_match_the_rewards_on_the_saved_images(evaluated_run):
         assert on_disk == json.loads(json.dumps(result))
         assert on_disk["rewards"] == {"train": ["jpeg_incompressibility"], "gold": ["jpeg_compressibility"]}
         assert on_disk["is_video"] is False and on_disk["step"] == (0 if label == "base" else 2)
-        assert on_disk["environment"]["device"] == "cpu" and on_disk["environment"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+        assert (
+            on_disk["environment"]["device"] == "cpu"
+            and on_disk["environment"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+        )
         images = media.load_images([str(folder / x["image"]) for x in on_disk["samples"]])
         rescored = r["rewards"]["jpeg_compressibility"](images, ["x"] * len(images), [{}] * len(images)).scores
         stored = [x["scores"]["jpeg_compressibility"] for x in on_disk["samples"]]
@@ -86,9 +89,19 @@ def test_feature_diversity_and_batch_size_independence(evaluated_run, tmp_path):
         seen.append(images.clone())
         return images.mean(dim=(-2, -1))  # [M, 3]
 
-    result = evaluate(r["model"], r["rewards"], tmp_path, prompts=r["prompts"][:1], seeds=r["seeds"], sampler=r["sampler"],
-                      train_reward_names=["jpeg_compressibility"], step=2, label="again", batch_size=2,
-                      diversity_features=mean_colour)
+    result = evaluate(
+        r["model"],
+        r["rewards"],
+        tmp_path,
+        prompts=r["prompts"][:1],
+        seeds=r["seeds"],
+        sampler=r["sampler"],
+        train_reward_names=["jpeg_compressibility"],
+        step=2,
+        label="again",
+        batch_size=2,
+        diversity_features=mean_colour,
+    )
     colours = [tuple(c.tolist()) for c in torch.cat(seen).mean(dim=(-2, -1))]
     by_hand = np.mean([math.dist(a, b) for a, b in itertools.combinations(colours, 2)])
     assert result["diversity"]["space"] == "mean_colour"
@@ -106,10 +119,28 @@ def test_video_samples_are_frame_strips_and_gifs(tiny_model, tmp_path):
     sampler = SAMPLERS.get("ode")(num_steps=1, height=32, width=32, num_frames=5, guidance_scale=1.0)
     reward = REWARDS.build("per_frame", device="cpu", dtype=torch.float32, reward="jpeg_compressibility")
     with pytest.raises(ValueError, match="jpeg_compressibility.*videos"):
-        evaluate(model, {"jpeg_compressibility": REWARDS.build("jpeg_compressibility")}, tmp_path, prompts=["a"], seeds=[0],
-                 sampler=sampler, train_reward_names=[], step=0, label="base")
-    result = evaluate(model, {"per_frame": reward}, tmp_path, prompts=["a cat walking"], seeds=[1, 2], sampler=sampler,
-                      train_reward_names=["per_frame"], step=0, label="base")
+        evaluate(
+            model,
+            {"jpeg_compressibility": REWARDS.build("jpeg_compressibility")},
+            tmp_path,
+            prompts=["a"],
+            seeds=[0],
+            sampler=sampler,
+            train_reward_names=[],
+            step=0,
+            label="base",
+        )
+    result = evaluate(
+        model,
+        {"per_frame": reward},
+        tmp_path,
+        prompts=["a cat walking"],
+        seeds=[1, 2],
+        sampler=sampler,
+        train_reward_names=["per_frame"],
+        step=0,
+        label="base",
+    )
     assert result["is_video"] is True
     for sample in result["samples"]:
         strip = _png(tmp_path / sample["image"])
@@ -119,7 +150,7 @@ def test_video_samples_are_frame_strips_and_gifs(tiny_model, tmp_path):
             gif_frames = [np.asarray(f.convert("RGB"), dtype=np.int16) for f in ImageSequence.Iterator(gif)]
         assert len(gif_frames) == frames
         for k, frame in enumerate(gif_frames):  # GIF palettes quantise colours: close, not equal
-            assert np.abs(frame - strip[:, 32 * k:32 * (k + 1)]).mean() < 12
+            assert np.abs(frame - strip[:, 32 * k : 32 * (k + 1)]).mean() < 12
     assert result["per_prompt"]["per_frame"][0] == pytest.approx(np.mean([x["scores"]["per_frame"] for x in result["samples"]]))
 
 

@@ -50,8 +50,9 @@ def _ocr(image: Image.Image) -> str:
     pytesseract = pytest.importorskip("pytesseract")
     if shutil.which("tesseract") is None:
         pytest.skip("tesseract-ocr is not installed (.ci/run installs it)")
-    return pytesseract.image_to_string(image.resize((image.width * 3, image.height * 3), Image.Resampling.LANCZOS),
-                                       config="--psm 6")
+    return pytesseract.image_to_string(
+        image.resize((image.width * 3, image.height * 3), Image.Resampling.LANCZOS), config="--psm 6"
+    )
 
 
 def test_image_grid_geometry_pixels_and_captions(tmp_path):
@@ -125,8 +126,12 @@ def test_gaps_missing_image_truncated_metrics_missing_checkpoint(tmp_path):
     assert main(["report", str(run_dir)]) == 0
     page_text = (run_dir / "report" / "index.html").read_text()
     page = Cells(page_text)
-    expected = ["eval/step_000005/p001_s002.png is missing", "metrics.jsonl line 11 is not valid JSON",
-                "checkpoints/step_000010/ is missing", "eval/step_000011/scores.json is missing"]
+    expected = [
+        "eval/step_000005/p001_s002.png is missing",
+        "metrics.jsonl line 11 is not valid JSON",
+        "checkpoints/step_000010/ is missing",
+        "eval/step_000011/scores.json is missing",
+    ]
     for text in expected:
         assert sum(text in gap for gap in page.gaps) == 1, (text, page.gaps)
     assert "missing p001_s002.png" in page_text  # stated in the grid cell too, instead of a broken image
@@ -142,8 +147,15 @@ def test_gaps_missing_image_truncated_metrics_missing_checkpoint(tmp_path):
 
 def test_compare_shows_both_runs(tmp_path, capsys):
     a = fabricate_run(tmp_path, "alpha", prompts=PROMPTS, seeds=SEEDS, steps=[0, 10])
-    b = fabricate_run(tmp_path, "beta", prompts=PROMPTS, seeds=SEEDS[:2], steps=[0, 20], video=True,
-                      scores_fn=lambda k, p, s: {TRAIN: 2.0 + k, GOLD: 3.0 + p})
+    b = fabricate_run(
+        tmp_path,
+        "beta",
+        prompts=PROMPTS,
+        seeds=SEEDS[:2],
+        steps=[0, 20],
+        video=True,
+        scores_fn=lambda k, p, s: {TRAIN: 2.0 + k, GOLD: 3.0 + p},
+    )
     assert main(["report", str(a), "--compare", str(b), "--out", str(tmp_path / "cmp")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "cmp" / "index.html")
     assert (tmp_path / "cmp" / "grid_000010.png").is_file() and (tmp_path / "cmp" / "grid_beta_000020.png").is_file()
@@ -152,8 +164,15 @@ def test_compare_shows_both_runs(tmp_path, capsys):
         for folder in ("base", "step_000010" if name == "alpha" else "step_000020"):
             scores = json.loads((run_dir / "eval" / folder / "scores.json").read_text())
             for reward in (TRAIN, GOLD):
-                shown = [c for c in page.cells if c.get("run") == name and c["step"] == folder and c["reward"] == reward
-                         and c.get("prompt") == "all" and c.get("kind") == "overview"]
+                shown = [
+                    c
+                    for c in page.cells
+                    if c.get("run") == name
+                    and c["step"] == folder
+                    and c["reward"] == reward
+                    and c.get("prompt") == "all"
+                    and c.get("kind") == "overview"
+                ]
                 assert len(shown) == 1 and float(shown[0]["text"]) == pytest.approx(scores["means"][reward], rel=1e-3)
 
 
@@ -199,13 +218,20 @@ def test_flowrl_eval_base_reproduces_the_runs_base_eval(evaluated_run, tiny_pipe
 
     r = evaluated_run
     config = {
-        "name": "tiny_sd3", "output_dir": str(tmp_path / "runs"), "device": "cpu",
+        "name": "tiny_sd3",
+        "output_dir": str(tmp_path / "runs"),
+        "device": "cpu",
         "model": {"path": tiny_pipeline("sd3")},
         "data": {"prompts": ["unused"], "num_prompts_per_step": 1, "group_size": 2},
         "sampler": {"name": "sde", "num_steps": 3, "height": 32, "width": 32, "guidance_scale": 1.0},
         "rewards": [{"name": "jpeg_incompressibility"}],
-        "eval": {"prompts": r["prompts"], "seeds": r["seeds"], "num_steps": 2, "guidance_scale": 1.0,
-                 "gold_rewards": [{"name": "jpeg_compressibility"}]},
+        "eval": {
+            "prompts": r["prompts"],
+            "seeds": r["seeds"],
+            "num_steps": 2,
+            "guidance_scale": 1.0,
+            "gold_rewards": [{"name": "jpeg_compressibility"}],
+        },
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     assert main(["eval", "--config", str(tmp_path / "config.yaml"), "--checkpoint", "base"]) == 0

@@ -18,15 +18,24 @@ def test_trainer_run_folder_report_and_eval(tiny_pipeline, tmp_path, capsys):
     from flowrl.trainers.grpo import GRPOTrainer
 
     data = {
-        "name": "trained", "output_dir": str(tmp_path / "runs"), "device": "cpu", "num_steps": 2, "seed": 3,
+        "name": "trained",
+        "output_dir": str(tmp_path / "runs"),
+        "device": "cpu",
+        "num_steps": 2,
+        "seed": 3,
         "model": {"path": tiny_pipeline("sd3"), "lora_rank": 4},
         "data": {"prompts": ["a red cat", "a blue dog"], "num_prompts_per_step": 2, "group_size": 2},
         "sampler": {"name": "sde", "num_steps": 2, "height": 32, "width": 32, "guidance_scale": 2.0, "noise_level": 0.7},
         "rewards": [{"name": "jpeg_compressibility"}],
         "train": {"learning_rate": 0.05, "clip_range": 1e-3, "use_async_rewards": False},
         "logging": {"trackers": [], "progress_bar": False},
-        "eval": {"num_steps": 2, "seeds": [0, 1], "every_n_steps": 1, "use_ema": False,
-                 "gold_rewards": [{"name": "jpeg_incompressibility"}]},
+        "eval": {
+            "num_steps": 2,
+            "seeds": [0, 1],
+            "every_n_steps": 1,
+            "use_ema": False,
+            "gold_rewards": [{"name": "jpeg_incompressibility"}],
+        },
         "checkpoint": {"every_n_steps": 1, "keep_last": 5},
     }
     GRPOTrainer(build_config(data)).train()
@@ -42,8 +51,20 @@ def test_trainer_run_folder_report_and_eval(tiny_pipeline, tmp_path, capsys):
 
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
     out = tmp_path / "re_eval"
-    assert main(["eval", "--config", str(tmp_path / "config.yaml"), "--checkpoint", str(run / "checkpoints" / "step_000002"),
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--config",
+                str(tmp_path / "config.yaml"),
+                "--checkpoint",
+                str(run / "checkpoints" / "step_000002"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     again = json.loads((out / "scores.json").read_text())
     assert again["step"] == 2 and again["rewards"] == trained["rewards"]
     for reward, value in trained["means"].items():

@@ -45,9 +45,25 @@ def test_train_script_learns_and_reward_prefers_clean(tmp_path):
     _write(tmp_path / "data" / "clean", _smooth(generator, 32))
     _write(tmp_path / "data" / "artifact", _corrupt(_smooth(generator, 32), generator))
     out = tmp_path / "artifact.safetensors"
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_artifact_reward.py"), "--data", str(tmp_path / "data"),
-                             "--out", str(out), "--epochs", "15", "--image-size", "32", "--seed", "0"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "train_artifact_reward.py"),
+            "--data",
+            str(tmp_path / "data"),
+            "--out",
+            str(out),
+            "--epochs",
+            "15",
+            "--image-size",
+            "32",
+            "--seed",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-1000:]
     record = json.loads(result.stdout.strip().splitlines()[-1])
     assert record["train_accuracy"] >= 0.9
@@ -93,23 +109,74 @@ def build_tiny_llava(folder: Path) -> None:
         PreTrainedTokenizerFast,
     )
 
-    words = ["<unk>", "<pad>", "<s>", "</s>", "<image>", "USER:", "ASSISTANT:", "yes", "no", "Yes", "No", "YES", "NO", "is", "it", "broken?"]
+    words = [
+        "<unk>",
+        "<pad>",
+        "<s>",
+        "</s>",
+        "<image>",
+        "USER:",
+        "ASSISTANT:",
+        "yes",
+        "no",
+        "Yes",
+        "No",
+        "YES",
+        "NO",
+        "is",
+        "it",
+        "broken?",
+    ]
     vocab = {w: i for i, w in enumerate(words)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                                        eos_token="</s>", extra_special_tokens={"image_token": "<image>"})
-    template = ("{% for m in messages %}USER: {% for c in m['content'] %}{% if c['type'] == 'image' %}<image> {% else %}"
-                "{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}{% if add_generation_prompt %} ASSISTANT:{% endif %}")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    template = (
+        "{% for m in messages %}USER: {% for c in m['content'] %}{% if c['type'] == 'image' %}<image> {% else %}"
+        "{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}{% if add_generation_prompt %} ASSISTANT:{% endif %}"
+    )
     image_processor = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
-    LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
-                   num_additional_image_tokens=1, chat_template=template).save_pretrained(folder)
+    LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=template,
+    ).save_pretrained(folder)
     config = LlavaConfig(
-        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=16, patch_size=8),
-        text_config=dict(model_type="llama", vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=1, bos_token_id=2, eos_token_id=3),
-        image_token_index=vocab["<image>"], vision_feature_select_strategy="default", vision_feature_layer=-1)
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=8,
+        ),
+        text_config=dict(
+            model_type="llama",
+            vocab_size=len(vocab),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            pad_token_id=1,
+            bos_token_id=2,
+            eos_token_id=3,
+        ),
+        image_token_index=vocab["<image>"],
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config)
     with torch.no_grad():  # larger output weights so that the image visibly moves the answer
@@ -123,7 +190,7 @@ def test_vlm_judge_equals_probability_ratio(tmp_path):
     build_tiny_llava(tmp_path / "vlm")
     reward = REWARDS.build("artifact", backend="vlm", model_name=str(tmp_path / "vlm"), question="is it broken?")
     assert reward.differentiable is False
-    images = (torch.randint(0, 256, (2, 3, 16, 16), generator=torch.Generator().manual_seed(0)).float() / 255)
+    images = torch.randint(0, 256, (2, 3, 16, 16), generator=torch.Generator().manual_seed(0)).float() / 255
     scores = reward(images, ["a", "b"], [{}, {}]).scores
 
     processor = AutoProcessor.from_pretrained(tmp_path / "vlm")

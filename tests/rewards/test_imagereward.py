@@ -44,14 +44,24 @@ def reference_score(s, med, pixels, input_ids, attention_mask):
     image = ln(x, f"{v}.norm", 1e-6)  # [N, 1+P, W]
 
     t, eps, n = "blip.text_encoder", med["layer_norm_eps"], med["num_attention_heads"]
-    h = s[f"{t}.embeddings.word_embeddings.weight"][input_ids] + s[f"{t}.embeddings.position_embeddings.weight"][: input_ids.shape[1]]
+    h = (
+        s[f"{t}.embeddings.word_embeddings.weight"][input_ids]
+        + s[f"{t}.embeddings.position_embeddings.weight"][: input_ids.shape[1]]
+    )
     h = ln(h, f"{t}.embeddings.LayerNorm", eps)
     pad = (1.0 - attention_mask[:, None, None, :].float()) * -10000.0  # BERT's additive mask
     for i in range(med["num_hidden_layers"]):
         b = f"{t}.encoder.layer.{i}"
-        a = _attend(lin(h, f"{b}.attention.self.query"), lin(h, f"{b}.attention.self.key"), lin(h, f"{b}.attention.self.value"), n, pad)
+        a = _attend(
+            lin(h, f"{b}.attention.self.query"), lin(h, f"{b}.attention.self.key"), lin(h, f"{b}.attention.self.value"), n, pad
+        )
         h = ln(lin(a, f"{b}.attention.output.dense") + h, f"{b}.attention.output.LayerNorm", eps)
-        c = _attend(lin(h, f"{b}.crossattention.self.query"), lin(image, f"{b}.crossattention.self.key"), lin(image, f"{b}.crossattention.self.value"), n)
+        c = _attend(
+            lin(h, f"{b}.crossattention.self.query"),
+            lin(image, f"{b}.crossattention.self.key"),
+            lin(image, f"{b}.crossattention.self.value"),
+            n,
+        )
         h = ln(lin(c, f"{b}.crossattention.output.dense") + h, f"{b}.crossattention.output.LayerNorm", eps)
         h = ln(lin(F.gelu(lin(h, f"{b}.intermediate.dense")), f"{b}.output.dense") + h, f"{b}.output.LayerNorm", eps)
     r = h[:, 0]
@@ -72,9 +82,14 @@ def test_imagereward_matches_independent_forward(tmp_path):
 
     state = torch.load(files["checkpoint"], weights_only=True)
     med = json.loads(Path(files["med_config"]).read_text())
-    package_transform = transforms.Compose([  # ImageReward._transform(n_px)
-        transforms.Resize(16, interpolation=transforms.InterpolationMode.BICUBIC), transforms.CenterCrop(16), transforms.ToTensor(),
-        transforms.Normalize((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))])
+    package_transform = transforms.Compose(
+        [  # ImageReward._transform(n_px)
+            transforms.Resize(16, interpolation=transforms.InterpolationMode.BICUBIC),
+            transforms.CenterCrop(16),
+            transforms.ToTensor(),
+            transforms.Normalize((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+        ]
+    )
     pixels = torch.stack([package_transform(Image.fromarray((x * 255).round().byte().permute(1, 2, 0).numpy())) for x in images])
     tokenizer = BertTokenizer.from_pretrained(files["tokenizer"])
     tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})

@@ -36,10 +36,24 @@ def _images(n=3) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def served_clipscore(tmp_path_factory):
     folder, _ = tiny_open_clip(tmp_path_factory.mktemp("remote") / "clip")
-    command = [sys.executable, "-m", "flowrl.cli", "serve-reward", "clipscore", "--set", f"model_name={folder}",
-               "--set", "pretrained=null", "--port", "0", "--token", "s3cret"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    command = [
+        sys.executable,
+        "-m",
+        "flowrl.cli",
+        "serve-reward",
+        "clipscore",
+        "--set",
+        f"model_name={folder}",
+        "--set",
+        "pretrained=null",
+        "--port",
+        "0",
+        "--token",
+        "s3cret",
+    ]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1")
+    )
     line = process.stdout.readline()
     if "serving" not in line:
         process.kill()
@@ -260,7 +274,7 @@ def test_malformed_body_is_a_400_with_a_message(recorder_url, case):
     recorder, url = recorder_url
     extra, body, message = MALFORMED[case]
     headers = {"Content-Type": "application/x-safetensors", "Authorization": "Bearer t0k", **extra}
-    connection = http.client.HTTPConnection(*url[len("http://"):].split(":"), timeout=10)
+    connection = http.client.HTTPConnection(*url[len("http://") :].split(":"), timeout=10)
     try:
         connection.request("POST", "/score", body=body, headers=headers)
         response = connection.getresponse()

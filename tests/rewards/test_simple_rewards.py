@@ -26,14 +26,16 @@ def render_text(text: str, width: int = 256, height: int = 64) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 255  # [3, H, W]
 
 
-@pytest.mark.parametrize("a, b, distance", [("kitten", "sitting", 3), ("flaw", "lawn", 2), ("", "abc", 3), ("same", "same", 0), ("ab", "ba", 2)])
+@pytest.mark.parametrize(
+    "a, b, distance", [("kitten", "sitting", 3), ("flaw", "lawn", 2), ("", "abc", 3), ("same", "same", 0), ("ab", "ba", 2)]
+)
 def test_edit_distance_by_hand(a, b, distance):
     assert edit_distance(a, b) == distance == edit_distance(b, a)
 
 
 def test_quoted_text_and_similarity():
     assert quoted_text('a sign saying "Open Late" in neon') == "Open Late"
-    assert quoted_text("a “café” and a \"bar\"") == "café bar"
+    assert quoted_text('a “café” and a "bar"') == "café bar"
     assert quoted_text("no quotes here, it's plain") is None
     assert text_similarity("Open Late", "open  late\n") == 1.0
     assert text_similarity("flow", "flaw") == pytest.approx(0.75)  # 1 substitution over 4 characters
@@ -75,7 +77,9 @@ def test_per_frame_mean_min_every_k():
     frame_scores = torch.stack([inner(v, ["p"] * 5, [{}] * 5).scores for v in video])  # [N, F]
     mean = REWARDS.build("per_frame", reward="jpeg_compressibility")(video, ["p", "q"], [{}, {}]).scores
     torch.testing.assert_close(mean, frame_scores.mean(1))
-    low = REWARDS.build("per_frame", reward="jpeg_compressibility", reduce="min", every_k_frames=2)(video, ["p", "q"], [{}, {}]).scores
+    low = REWARDS.build("per_frame", reward="jpeg_compressibility", reduce="min", every_k_frames=2)(
+        video, ["p", "q"], [{}, {}]
+    ).scores
     torch.testing.assert_close(low, frame_scores[:, ::2].min(1).values)
     with pytest.raises(ValueError, match="reduce='max'"):
         REWARDS.build("per_frame", reward="jpeg_compressibility", reduce="max")
@@ -119,7 +123,7 @@ def test_score_checked_names_reward_and_sample():
 
 def test_media_roundtrip(tmp_path):
     generator = torch.Generator().manual_seed(0)
-    frames = (torch.randint(0, 256, (3, 3, 12, 10), generator=generator).float() / 255)  # [F, 3, H, W]
+    frames = torch.randint(0, 256, (3, 3, 12, 10), generator=generator).float() / 255  # [F, 3, H, W]
     pils = [Image.fromarray((f * 255).round().byte().permute(1, 2, 0).numpy()) for f in frames]
     (tmp_path / "frames").mkdir()
     for i, p in enumerate(pils):
@@ -164,10 +168,18 @@ def test_cli_scores_videos_with_per_frame(tmp_path, capsys):
     folder.mkdir()
     for i, frame in enumerate(frames):
         frame.save(folder / f"{i}.png")
-    assert main(["score", "--reward", "per_frame", "--set", "reward=jpeg_incompressibility", "--prompt", "x", str(folder), "--json"]) == 0
+    assert (
+        main(["score", "--reward", "per_frame", "--set", "reward=jpeg_incompressibility", "--prompt", "x", str(folder), "--json"])
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result[0]["score"] == pytest.approx(float(jpeg_sizes_kb(video).mean()), rel=1e-6)
-    assert main(["score", "--reward", "per_frame", "--set", "reward=jpeg_incompressibility", "--prompt", "x", str(tmp_path / "v.gif")]) == 0
+    assert (
+        main(
+            ["score", "--reward", "per_frame", "--set", "reward=jpeg_incompressibility", "--prompt", "x", str(tmp_path / "v.gif")]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip().endswith("v.gif")
 
 

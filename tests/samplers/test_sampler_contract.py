@@ -104,8 +104,9 @@ def test_rescoring_with_the_rollout_weights_gives_the_stored_log_prob_exactly(mo
         n = x.shape[0]
         with torch.no_grad():
             v = model.velocity(x, sigmas[k], r.cond, r.guidance_scale)
-            log_prob, kl = sde.rescore_transition(r.rule, v, x, x_next, sigmas[k].expand(n), sigmas[k + 1].expand(n),
-                                                  r.noise_levels[:, k])
+            log_prob, kl = sde.rescore_transition(
+                r.rule, v, x, x_next, sigmas[k].expand(n), sigmas[k + 1].expand(n), r.noise_levels[:, k]
+            )
         assert kl is None
         for i in r.transitions[r.transitions[:, 1] == k, 0].tolist():
             assert log_prob[i].item() == r.log_probs[i, k].item(), (i, k)
@@ -117,9 +118,15 @@ def test_transition_table_is_every_step_with_positive_std(model, name):
     sigmas, levels = r.sigmas.cpu(), r.noise_levels.cpu()
     n, t = levels.shape
     assert r.latents.shape[:2] == (n, t + 1) and r.log_probs.shape == (n, t) and sigmas.shape == (t + 1,)
-    expected = [(i, k) for i in range(n) for k in range(t)
-                if float(sde.sde_std(float(sigmas[k]), float(sigmas[k + 1]), r.rule.kind, float(levels[i, k]),
-                                     r.rule.first_step_threshold)) > 0]
+    expected = [
+        (i, k)
+        for i in range(n)
+        for k in range(t)
+        if float(
+            sde.sde_std(float(sigmas[k]), float(sigmas[k + 1]), r.rule.kind, float(levels[i, k]), r.rule.first_step_threshold)
+        )
+        > 0
+    ]
     table = [tuple(row) for row in r.transitions.tolist()]
     assert len(table) == len(set(table))
     assert sorted(table) == expected

@@ -60,7 +60,12 @@ def test_rescoring_with_same_weights_gives_ratio_exactly_one(model):
         with torch.no_grad():
             v = model.velocity(r.latents[:, k], r.sigmas[k], r.cond, r.guidance_scale)
         _, log_prob, _, _ = sde.sde_step(
-            v, r.latents[:, k], float(r.sigmas[k]), float(r.sigmas[k + 1]), r.kind, r.noise_levels[:, k],
+            v,
+            r.latents[:, k],
+            float(r.sigmas[k]),
+            float(r.sigmas[k + 1]),
+            r.kind,
+            r.noise_levels[:, k],
             prev_sample=r.latents[:, k + 1],
         )
         ratio = torch.exp(log_prob - r.log_probs[:, k])
@@ -101,8 +106,15 @@ def test_random_window_is_w_consecutive_stochastic_steps(model):
 
 
 def test_sliding_window_moves_with_the_training_step(model):
-    s = sampler(noise_level=0.7, num_steps=6, sde_window_size=2, sde_window_range=(0, 5), sde_window_mode="sliding",
-                sde_window_shift_every_n_steps=2, decode=False)
+    s = sampler(
+        noise_level=0.7,
+        num_steps=6,
+        sde_window_size=2,
+        sde_window_range=(0, 5),
+        sde_window_mode="sliding",
+        sde_window_shift_every_n_steps=2,
+        decode=False,
+    )
     starts = []
     for step in range(0, 10, 2):
         starts.append(int(s.noise_levels(torch.tensor([1]), step)[0].nonzero()[0]))
@@ -111,17 +123,21 @@ def test_sliding_window_moves_with_the_training_step(model):
 
 def test_dance_grid(model):
     r = sampler(kind="dance", noise_level=0.3, sigma_schedule="dance", sigma_shift=3.0, num_steps=4, decode=False)(
-        model, make_batch())
+        model, make_batch()
+    )
     expected = [3 * s / (1 + 2 * s) for s in (1.0, 0.75, 0.5, 0.25, 0.0)]
     torch.testing.assert_close(r.sigmas, torch.tensor(expected), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(noise_level=-0.1), "noise_level=-0.1"),
-    (dict(kind="euler"), "kind='euler'"),
-    (dict(sde_window_size=3, sde_window_range=(0, 2)), "sde_window_size=3"),
-    (dict(num_steps=0), "num_steps=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(noise_level=-0.1), "noise_level=-0.1"),
+        (dict(kind="euler"), "kind='euler'"),
+        (dict(sde_window_size=3, sde_window_range=(0, 2)), "sde_window_size=3"),
+        (dict(num_steps=0), "num_steps=0"),
+    ],
+)
 def test_bad_sampler_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SAMPLERS.get("sde")(**{"num_steps": 4, **kwargs})
@@ -139,8 +155,14 @@ def test_ode_with_the_pipelines_own_scheduler(tiny_model):
     model = tiny_model("sd3")
     model.pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     r = sampler("ode", scheduler="pipeline", num_steps=4)(model, make_batch(prompts=["a red cat"], groups=[0], seeds=[5]))
-    out = model.pipe("a red cat", **SIZE, num_inference_steps=4, guidance_scale=3.0, output_type="latent",
-                     generator=torch.Generator().manual_seed(5)).images
+    out = model.pipe(
+        "a red cat",
+        **SIZE,
+        num_inference_steps=4,
+        guidance_scale=3.0,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(5),
+    ).images
     torch.testing.assert_close(r.latents[:, -1], out, rtol=0, atol=1e-5)
     euler = sampler("ode", num_steps=4)(model, make_batch(prompts=["a red cat"], groups=[0], seeds=[5]))
     assert (euler.latents[:, -1] - out).abs().max() > 1e-4  # a different solver really ran

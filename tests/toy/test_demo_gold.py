@@ -26,11 +26,25 @@ STEPS = 8
 def short_run(tmp_path, name: str, reward: str) -> tuple:
     """Train the short drifting run described in the module docstring against `reward`; (config, run folder)."""
     overrides = [
-        f"name={name}", f"output_dir={tmp_path}", "seed=1", f"num_steps={STEPS}", f"rewards=[{reward}]",
-        "data.toy_split=null", f"data.prompts={THREES}", "data.num_prompts_per_step=4", "data.group_size=4",
-        "train.learning_rate=1.0e-2", "train.kl_coef=0", "train.num_minibatches=1", "train.gradient_accumulation_steps=1",
-        "train.num_rollout_batches=1", "eval.toy_split=null", f"eval.prompts={HELD_OUT_THREES}",
-        "eval.seeds=[0, 1, 2, 3, 4, 5, 6, 7]", "checkpoint.every_n_steps=0", "logging.trackers=[]",
+        f"name={name}",
+        f"output_dir={tmp_path}",
+        "seed=1",
+        f"num_steps={STEPS}",
+        f"rewards=[{reward}]",
+        "data.toy_split=null",
+        f"data.prompts={THREES}",
+        "data.num_prompts_per_step=4",
+        "data.group_size=4",
+        "train.learning_rate=1.0e-2",
+        "train.kl_coef=0",
+        "train.num_minibatches=1",
+        "train.gradient_accumulation_steps=1",
+        "train.num_rollout_batches=1",
+        "eval.toy_split=null",
+        f"eval.prompts={HELD_OUT_THREES}",
+        "eval.seeds=[0, 1, 2, 3, 4, 5, 6, 7]",
+        "checkpoint.every_n_steps=0",
+        "logging.trackers=[]",
         "logging.progress_bar=false",
     ]
     cfg = load_config(CONFIG, overrides)
@@ -77,8 +91,10 @@ def test_panel_does_not_flag_the_same_run_trained_on_the_retrained_judge(tmp_pat
     assert abs(pair["train_gain"] - pair["gold_gain"]) < 0.02, pair
     result = build_report(run, hacking_pairs=PAIRS)
     assert result["flags"] == {"retrained": []} and result["flag_reasons"] == {"retrained": []}
-    assert "no paired gold reward gained more than the margin less than its training reward" in (
-        run / "report" / "index.html").read_text()
+    assert (
+        "no paired gold reward gained more than the margin less than its training reward"
+        in (run / "report" / "index.html").read_text()
+    )
 
 
 def test_demo_pairs_gold_with_the_training_judge_and_reads_its_checkpoint(countblind_checkpoint):
@@ -108,10 +124,13 @@ def test_heldout_scores_grade_by_the_exact_checker_beside_the_judge():
     assert scores["impossible_count_rate"] == pytest.approx(exact.parts["impossible_count"].mean().item(), abs=1e-4)
 
 
-@pytest.mark.parametrize("value, message", [
-    ("toy_exact", r"--hacking-pair 'toy_exact' must be GOLD=TRAIN \(two reward names\), e.g. toy_exact=toy_attributes"),
-    ("=toy_attributes", r"--hacking-pair '=toy_attributes' must be GOLD=TRAIN"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("toy_exact", r"--hacking-pair 'toy_exact' must be GOLD=TRAIN \(two reward names\), e.g. toy_exact=toy_attributes"),
+        ("=toy_attributes", r"--hacking-pair '=toy_attributes' must be GOLD=TRAIN"),
+    ],
+)
 def test_report_rejects_a_malformed_hacking_pair(tmp_path, capsys, value, message):
     import re
 

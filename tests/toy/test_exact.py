@@ -53,12 +53,21 @@ def read(image: torch.Tensor) -> list[tuple[str, str]]:
 def test_reward_contract_and_parts(exact):
     cls = REWARDS.get("toy_exact")
     assert cls.modalities == ("image",) and cls.differentiable is False and cls.extra_requires == ()
-    images = torch.stack([paint(canvas(), (disc(8, 8, 4), "red"), (disc(8, 24, 4), "red"), (disc(24, 16, 4), "blue")),
-                          canvas(), paint(canvas(), (box(10, 10, 16, 16), "green"))])
+    images = torch.stack(
+        [
+            paint(canvas(), (disc(8, 8, 4), "red"), (disc(8, 24, 4), "red"), (disc(24, 16, 4), "blue")),
+            canvas(),
+            paint(canvas(), (box(10, 10, 16, 16), "green")),
+        ]
+    )
     out = exact(images, ["three red circles", "one red circle", "one green square"], [{}] * 3)
     assert isinstance(out, RewardOutput) and out.scores.dtype == torch.float32 and out.scores.shape == (3,)
     expected = {  # by hand: 2 red + 1 blue circle; nothing; one green square
-        "count": [1, 0, 1], "colour": [0, 0, 1], "shape": [1, 0, 1], "impossible_count": [0, 1, 0], "mixed_colours": [1, 0, 0],
+        "count": [1, 0, 1],
+        "colour": [0, 0, 1],
+        "shape": [1, 0, 1],
+        "impossible_count": [0, 1, 0],
+        "mixed_colours": [1, 0, 0],
     }
     assert set(out.parts) == set(expected)
     for name, values in expected.items():

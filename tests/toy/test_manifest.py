@@ -16,8 +16,13 @@ def test_toy_package_imports_no_model_adapter_but_the_accuracy_cli():
     for path in sorted(TOY.glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
             if any(n == "flowrl.models" or n.startswith("flowrl.models.") for n in names):
                 owner = next((f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and node in ast.walk(f)), None)
                 found.add((path.name, owner))

@@ -102,7 +102,9 @@ def test_decode_maps_minus_one_one_to_zero_one(random_model):
 
 
 def test_missing_or_corrupted_weights_name_the_file_and_the_script(tmp_path):
-    with pytest.raises(FileNotFoundError, match="toy_model.safetensors are missing; rebuild them with `python scripts/pretrain_toy.py`"):
+    with pytest.raises(
+        FileNotFoundError, match="toy_model.safetensors are missing; rebuild them with `python scripts/pretrain_toy.py`"
+    ):
         verified_weights("toy_model.safetensors", tmp_path)
     for name in ("toy_model.safetensors", "manifest.json"):
         shutil.copy(WEIGHTS_DIR / name, tmp_path / name)
@@ -127,8 +129,9 @@ def test_shipped_model_draws_the_prompted_colours_and_mostly_the_attributes():
     model = load_toy_model()
     judge = load_judge("attributes")
     prompts = split_prompts("train")[::2]  # 14 training prompts, one seed each
-    images = sample_images(model, prompts, list(range(len(prompts))), num_steps=toy.DEFAULT_NUM_STEPS,
-                           guidance_scale=toy.DEFAULT_GUIDANCE_SCALE)
+    images = sample_images(
+        model, prompts, list(range(len(prompts))), num_steps=toy.DEFAULT_NUM_STEPS, guidance_scale=toy.DEFAULT_GUIDANCE_SCALE
+    )
     assert images.shape == (14, 3, 32, 32) and 0 <= images.min() and images.max() <= 1
     from flowrl.toy.accuracy import judge_accuracy
 
@@ -160,8 +163,26 @@ def test_flowrl_sample_cli_draws_the_shipped_toy_model(tmp_path):
     from flowrl.toy.accuracy import sample_images
 
     prompts = ["two red circles", "three blue triangles"]
-    assert main(["sample", "--model", "toy", "--prompt", prompts[0], "--prompt", prompts[1], "--num-steps", "10",
-                 "--seed", "3", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--model",
+                "toy",
+                "--prompt",
+                prompts[0],
+                "--prompt",
+                prompts[1],
+                "--num-steps",
+                "10",
+                "--seed",
+                "3",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     files = sorted(tmp_path.glob("*.png"))
     assert [f.name for f in files] == ["000_seed3_two_red_circles.png", "001_seed3_three_blue_triangles.png"]
     expected = sample_images(load_toy_model(), prompts, [3, 3], num_steps=10, guidance_scale=toy.DEFAULT_GUIDANCE_SCALE)

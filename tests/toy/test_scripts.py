@@ -29,18 +29,34 @@ def test_pretrain_quick_lowers_the_loss_and_records_the_file(tmp_path):
     assert manifest["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() and manifest["size"] == path.stat().st_size
     assert manifest["seed"] == 0 and "--quick" in manifest["command"]
     model = load_toy_model(checkpoint=path)
-    assert model.velocity(model.prepare_latents(1, 32, 32, None), 0.5, model.encode(["one red circle"]), 1.0).shape == (1, 3, 32, 32)
+    assert model.velocity(model.prepare_latents(1, 32, 32, None), 0.5, model.encode(["one red circle"]), 1.0).shape == (
+        1,
+        3,
+        32,
+        32,
+    )
 
 
 def test_judge_quick_run_records_its_accuracy(tmp_path):
-    entry = load_script("train_toy_judges").main(["--judge", "artifact", "--quick", "--steps", "3", "--num-eval", "32", "--out", str(tmp_path)])
-    assert set(entry["heldout_accuracy"]) == {"clean_raw", "clean_softened", "noise", "blocking", "stripes", "saturation", "balanced"}
+    entry = load_script("train_toy_judges").main(
+        ["--judge", "artifact", "--quick", "--steps", "3", "--num-eval", "32", "--out", str(tmp_path)]
+    )
+    assert set(entry["heldout_accuracy"]) == {
+        "clean_raw",
+        "clean_softened",
+        "noise",
+        "blocking",
+        "stripes",
+        "saturation",
+        "balanced",
+    }
     assert (tmp_path / "toy_artifact.safetensors").is_file()
 
 
 def test_attribute_judge_quick_run_records_valid_and_impossible_scores(tmp_path):
-    entry = load_script("train_toy_judges").main(["--judge", "attributes", "--quick", "--steps", "2", "--num-eval", "20",
-                                                  "--out", str(tmp_path)])
+    entry = load_script("train_toy_judges").main(
+        ["--judge", "attributes", "--quick", "--steps", "2", "--num-eval", "20", "--out", str(tmp_path)]
+    )
     accuracy = entry["heldout_accuracy"]
     assert set(accuracy) == {"raw", "softened", "impossible_raw", "impossible_softened"}
     kinds = {f"{k}_best_prompt_score" for k in IMPOSSIBLE_KINDS}

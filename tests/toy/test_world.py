@@ -92,6 +92,7 @@ def test_heldout_split_is_disjoint_and_every_pair_is_seen_in_training():
     assert set(TRAIN).isdisjoint(HELD_OUT) and set(TRAIN) | set(HELD_OUT) == set(ALL_SPECS)
     assert len(HELD_OUT) == 8
     for a, b in itertools.combinations(range(3), 2):
+
         def key(s, a=a, b=b):
             return (s.count, s.colour, s.shape)[a], (s.count, s.colour, s.shape)[b]
 

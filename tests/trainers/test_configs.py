@@ -11,8 +11,12 @@ from flowrl.trainers.grpo import GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "accelerate" not in p.parts)
-REAL = {"sd3": "configs/sd3/grpo_pickscore.yaml", "flux": "configs/flux/grpo_hpsv2.yaml",
-        "sana": "configs/sana/grpo_imagereward.yaml", "wan": "configs/wan/grpo_video.yaml"}
+REAL = {
+    "sd3": "configs/sd3/grpo_pickscore.yaml",
+    "flux": "configs/flux/grpo_hpsv2.yaml",
+    "sana": "configs/sana/grpo_imagereward.yaml",
+    "wan": "configs/wan/grpo_video.yaml",
+}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -30,8 +34,13 @@ def test_every_accelerate_preset_parses_and_shows_its_launch_command(path):
     text = path.read_text()
     assert text.lstrip().startswith("#") and "accelerate launch" in text
     preset = load_config_from_file(str(path))
-    expected = {"single_gpu": "NO", "multi_gpu": "MULTI_GPU", "cpu_2proc": "MULTI_GPU", "fsdp": "FSDP",
-                "deepspeed_zero2": "DEEPSPEED"}[path.stem]
+    expected = {
+        "single_gpu": "NO",
+        "multi_gpu": "MULTI_GPU",
+        "cpu_2proc": "MULTI_GPU",
+        "fsdp": "FSDP",
+        "deepspeed_zero2": "DEEPSPEED",
+    }[path.stem]
     assert preset.distributed_type.name == expected
     if expected == "FSDP":
         assert preset.fsdp_config["fsdp_version"] == 2  # flowrl refuses FSDP1
@@ -59,14 +68,29 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
     if "sde_window_size" in data["sampler"]:  # keep the window inside the shortened trajectory
         frames += ["sampler.sde_window_size=1", "sampler.sde_window_range=[0, 2]"]
     size = 16 if family == "wan" else 32
-    cfg = load_config(path, [
-        f"model.path={tiny_pipeline(family)}", "model.dtype=float32", "model.mixed_precision=fp32", "model.lora_rank=4",
-        "device=cpu", f"output_dir={tmp_path / 'runs'}", f"data.prompts_file={ROOT / data['data']['prompts_file']}",
-        "data.num_prompts_per_step=2", "data.group_size=2", "sampler.num_steps=3", f"sampler.height={size}",
-        f"sampler.width={size}", "train.num_minibatches=2", "train.gradient_accumulation_steps=1",
-        "train.num_rollout_batches=1", "logging.trackers=[]", f"rewards={yaml.safe_dump(rewards, default_flow_style=True).strip()}",
-        *frames,
-    ])
+    cfg = load_config(
+        path,
+        [
+            f"model.path={tiny_pipeline(family)}",
+            "model.dtype=float32",
+            "model.mixed_precision=fp32",
+            "model.lora_rank=4",
+            "device=cpu",
+            f"output_dir={tmp_path / 'runs'}",
+            f"data.prompts_file={ROOT / data['data']['prompts_file']}",
+            "data.num_prompts_per_step=2",
+            "data.group_size=2",
+            "sampler.num_steps=3",
+            f"sampler.height={size}",
+            f"sampler.width={size}",
+            "train.num_minibatches=2",
+            "train.gradient_accumulation_steps=1",
+            "train.num_rollout_batches=1",
+            "logging.trackers=[]",
+            f"rewards={yaml.safe_dump(rewards, default_flow_style=True).strip()}",
+            *frames,
+        ],
+    )
     trainer = GRPOTrainer(cfg)
     before = [p.detach().clone() for p in trainer.opt.params]
     metrics = trainer.train_step()

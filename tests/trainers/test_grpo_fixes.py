@@ -17,7 +17,11 @@ PROMPTS = ["two red circles", "one blue square", "three green triangles"]
 
 def toy_config(tmp_path, **overrides):
     data = {
-        "name": "toy", "output_dir": str(tmp_path / "runs"), "device": "cpu", "num_steps": 1, "seed": 2,
+        "name": "toy",
+        "output_dir": str(tmp_path / "runs"),
+        "device": "cpu",
+        "num_steps": 1,
+        "seed": 2,
         "model": {"path": "toy", "lora_rank": 4, "lora_alpha": 4},
         "data": {"prompts": PROMPTS[:2], "num_prompts_per_step": 2, "group_size": 2},
         "sampler": {"name": "sde", "num_steps": 4, "guidance_scale": 1.0, "noise_level": 0.8},

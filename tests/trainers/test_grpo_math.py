@@ -16,18 +16,32 @@ A_NOISE, BETA, CLIP = 0.7, 0.3, 1e-3
 
 
 def config(tmp_path, pipeline, minibatches, accumulation):
-    return build_config({
-        "name": f"m{minibatches}a{accumulation}", "output_dir": str(tmp_path / "runs"), "device": "cpu", "num_steps": 1, "seed": 5,
-        "model": {"path": pipeline, "lora_rank": 4, "lora_alpha": 8},
-        "data": {"prompts": ["a red cat", "a blue dog"], "num_prompts_per_step": 2, "group_size": 2},
-        "sampler": {"name": "sde", "num_steps": 3, "height": 32, "width": 32, "guidance_scale": 2.0, "noise_level": A_NOISE},
-        "rewards": [{"name": "jpeg_compressibility"}],
-        "balancer": {"name": "weighted_sum", "std": "group"},
-        "train": {"learning_rate": 0.0, "clip_range": CLIP, "kl_coef": BETA, "use_async_rewards": False, "use_ema": False,
-                  "max_grad_norm": 1e9, "num_minibatches": minibatches, "gradient_accumulation_steps": accumulation,
-                  "num_rollout_batches": minibatches},
-        "logging": {"trackers": [], "progress_bar": False},
-    })
+    return build_config(
+        {
+            "name": f"m{minibatches}a{accumulation}",
+            "output_dir": str(tmp_path / "runs"),
+            "device": "cpu",
+            "num_steps": 1,
+            "seed": 5,
+            "model": {"path": pipeline, "lora_rank": 4, "lora_alpha": 8},
+            "data": {"prompts": ["a red cat", "a blue dog"], "num_prompts_per_step": 2, "group_size": 2},
+            "sampler": {"name": "sde", "num_steps": 3, "height": 32, "width": 32, "guidance_scale": 2.0, "noise_level": A_NOISE},
+            "rewards": [{"name": "jpeg_compressibility"}],
+            "balancer": {"name": "weighted_sum", "std": "group"},
+            "train": {
+                "learning_rate": 0.0,
+                "clip_range": CLIP,
+                "kl_coef": BETA,
+                "use_async_rewards": False,
+                "use_ema": False,
+                "max_grad_norm": 1e9,
+                "num_minibatches": minibatches,
+                "gradient_accumulation_steps": accumulation,
+                "num_rollout_batches": minibatches,
+            },
+            "logging": {"trackers": [], "progress_bar": False},
+        }
+    )
 
 
 def run_one_step(cfg):

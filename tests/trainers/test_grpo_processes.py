@@ -23,7 +23,11 @@ NUM_STEPS = 4
 
 def write_config(tmp_path, pipeline, name, **extra):
     data = {
-        "name": name, "output_dir": str(tmp_path / "runs"), "device": "cpu", "num_steps": NUM_STEPS, "seed": 11,
+        "name": name,
+        "output_dir": str(tmp_path / "runs"),
+        "device": "cpu",
+        "num_steps": NUM_STEPS,
+        "seed": 11,
         "model": {"path": pipeline, "lora_rank": 4},
         "data": {"prompts": ["a red cat", "a blue dog", "a green tree"], "num_prompts_per_step": 2, "group_size": 2},
         "sampler": {"name": "sde", "num_steps": 3, "height": 32, "width": 32, "guidance_scale": 2.0, "noise_level": 0.7},
@@ -48,8 +52,13 @@ def env():
 
 
 def start(config, extra_env=None):
-    return subprocess.Popen([sys.executable, "-m", "flowrl.cli", "train", str(config)], env={**env(), **(extra_env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flowrl.cli", "train", str(config)],
+        env={**env(), **(extra_env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def resume(config):
@@ -103,8 +112,11 @@ def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
     import json
 
     pipeline = tiny_pipeline("sd3")
-    extra = {"num_steps": 2, "checkpoint": {"every_n_steps": 0, "keep_last": 1},
-             "data": {"prompts": ["a red cat", "a blue dog", "a green tree"], "num_prompts_per_step": 1, "group_size": 4}}
+    extra = {
+        "num_steps": 2,
+        "checkpoint": {"every_n_steps": 0, "keep_last": 1},
+        "data": {"prompts": ["a red cat", "a blue dog", "a green tree"], "num_prompts_per_step": 1, "group_size": 4},
+    }
     one = write_config(tmp_path, pipeline, "one", **extra)
     data = yaml.safe_load(one.read_text())
     data["sampler"]["same_latent"] = True
@@ -112,8 +124,18 @@ def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
     GRPOTrainer(load_config(one)).train()
     two = tmp_path / "two.yaml"
     two.write_text(yaml.safe_dump({**data, "name": "two"}))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"),
-           "--main_process_port", "29533", str(ROOT / "scripts" / "train.py"), "--config", str(two)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"),
+        "--main_process_port",
+        "29533",
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        str(two),
+    ]
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stderr[-3000:]
     launch = json.loads((tmp_path / "runs" / "two" / "launch.json").read_text())

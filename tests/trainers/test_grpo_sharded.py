@@ -44,8 +44,20 @@ def plain_run(tmp_path_factory, tiny_pipeline):
 def test_sharded_preset_matches_one_process_and_resumes_plain(tmp_path, plain_run, preset, port):
     one, pipeline, extra = plain_run
     config = write_config(tmp_path, pipeline, "sharded", **extra)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "accelerate" / f"{preset}.yaml"),
-           "--num_processes", "2", "--main_process_port", str(port), str(ROOT / "scripts" / "train.py"), "--config", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "configs" / "accelerate" / f"{preset}.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(port),
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        str(config),
+    ]
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     run = tmp_path / "runs" / "sharded"

@@ -14,7 +14,11 @@ from flowrl.types import RewardOutput
 
 def tiny_config(tmp_path, pipeline, **overrides):
     data = {
-        "name": "t", "output_dir": str(tmp_path / "runs"), "device": "cpu", "num_steps": 2, "seed": 3,
+        "name": "t",
+        "output_dir": str(tmp_path / "runs"),
+        "device": "cpu",
+        "num_steps": 2,
+        "seed": 3,
         "model": {"path": pipeline, "lora_rank": 4},
         "data": {"prompts": ["a red cat", "a blue dog", "a green tree"], "num_prompts_per_step": 2, "group_size": 2},
         "sampler": {"name": "sde", "num_steps": 3, "height": 32, "width": 32, "guidance_scale": 2.0, "noise_level": 0.7},
@@ -60,16 +64,28 @@ def test_reference_forward_has_the_adapter_disabled(tmp_path, sd3, tiny_model):
 
 
 def test_training_moves_the_adapter_and_logs(tmp_path, sd3):
-    cfg = tiny_config(tmp_path, sd3, **{"train.num_minibatches": 2, "train.num_rollout_batches": 2,
-                                        "train.use_async_rewards": True, "train.kl_coef": 0.01})
+    cfg = tiny_config(
+        tmp_path,
+        sd3,
+        **{"train.num_minibatches": 2, "train.num_rollout_batches": 2, "train.use_async_rewards": True, "train.kl_coef": 0.01},
+    )
     trainer = GRPOTrainer(cfg)
     before = [p.detach().clone() for p in trainer.opt.params]
     out = trainer.train()
     assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.opt.params))
     lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
-    for key in ("train/loss", "train/kl", "train/clip_fraction", "train/approx_kl", "train/ratio_mean", "reward/jpeg_compressibility/mean",
-                "reward/jpeg_compressibility/std", "train/zero_std_fraction", "perf/samples_per_s"):
+    for key in (
+        "train/loss",
+        "train/kl",
+        "train/clip_fraction",
+        "train/approx_kl",
+        "train/ratio_mean",
+        "reward/jpeg_compressibility/mean",
+        "reward/jpeg_compressibility/std",
+        "train/zero_std_fraction",
+        "perf/samples_per_s",
+    ):
         assert key in out["history"][0]
     assert (cfg.run_dir / "checkpoints" / "step_000002" / "lora" / "pytorch_lora_weights.safetensors").exists()
 
@@ -88,11 +104,15 @@ class FlakyReward:
         if any("boom" in p for p in prompts):
             raise RuntimeError("scorer crashed")
         values = {"inf": float("inf"), "nan": float("nan")}
-        return RewardOutput(torch.tensor([next((v for k, v in values.items() if k in p), float(i)) for i, p in enumerate(prompts)]))
+        return RewardOutput(
+            torch.tensor([next((v for k, v in values.items() if k in p), float(i)) for i, p in enumerate(prompts)])
+        )
 
 
-@pytest.mark.parametrize("prompt,match", [("boom", "reward 'test_flaky' failed on local samples 0..3.*at sample index 0"),
-                                          ("inf", "reward 'test_flaky' failed.*inf")])
+@pytest.mark.parametrize(
+    "prompt,match",
+    [("boom", "reward 'test_flaky' failed on local samples 0..3.*at sample index 0"), ("inf", "reward 'test_flaky' failed.*inf")],
+)
 def test_reward_errors_raise_by_default(tmp_path, sd3, prompt, match):
     cfg = tiny_config(tmp_path, sd3, **{"rewards": [{"name": "test_flaky"}], "data.prompts": [prompt]})
     with pytest.raises(RuntimeError, match=match):
@@ -100,7 +120,9 @@ def test_reward_errors_raise_by_default(tmp_path, sd3, prompt, match):
 
 
 def test_reward_errors_skip_samples_when_asked(tmp_path, sd3):
-    cfg = tiny_config(tmp_path, sd3, **{"rewards": [{"name": "test_flaky"}], "data.prompts": ["inf"], "on_reward_error": "skip_sample"})
+    cfg = tiny_config(
+        tmp_path, sd3, **{"rewards": [{"name": "test_flaky"}], "data.prompts": ["inf"], "on_reward_error": "skip_sample"}
+    )
     metrics = GRPOTrainer(cfg).train_step()
     assert metrics["reward/dropped_samples"] == 4 and metrics["train/reward_errors"] == 4
     assert metrics["train/loss"] == 0.0  # every sample dropped: nothing to learn from
@@ -148,11 +170,15 @@ def test_sizes_must_divide_across_processes(tmp_path, sd3):
 
 
 def test_missing_prompts_file_and_empty_prompts(tmp_path, sd3):
-    cfg = tiny_config(tmp_path, sd3, **{"data": {"prompts_file": str(tmp_path / "none.txt"), "num_prompts_per_step": 2, "group_size": 2}})
+    cfg = tiny_config(
+        tmp_path, sd3, **{"data": {"prompts_file": str(tmp_path / "none.txt"), "num_prompts_per_step": 2, "group_size": 2}}
+    )
     with pytest.raises(FileNotFoundError, match="none.txt' does not exist"):
         GRPOTrainer(cfg)
     (tmp_path / "empty.txt").write_text("# only a comment\n\n")
-    cfg = tiny_config(tmp_path, sd3, **{"data": {"prompts_file": str(tmp_path / "empty.txt"), "num_prompts_per_step": 2, "group_size": 2}})
+    cfg = tiny_config(
+        tmp_path, sd3, **{"data": {"prompts_file": str(tmp_path / "empty.txt"), "num_prompts_per_step": 2, "group_size": 2}}
+    )
     with pytest.raises(ValueError, match="prompt list is empty"):
         GRPOTrainer(cfg)
 

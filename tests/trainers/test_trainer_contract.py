@@ -22,11 +22,22 @@ PROMPTS = ["two red circles", "one blue square", "three green triangles"]
 
 def toy_config(tmp_path, trainer, **overrides):
     """A run config for recipe `trainer` on the toy model; `train` keys the recipe's config class lacks are dropped."""
-    train = {"learning_rate": 1e-2, "adam_weight_decay": 0.0, "clip_range": 1e-2, "use_async_rewards": False,
-             "use_ema": True, "ema_every_n_steps": 1}
+    train = {
+        "learning_rate": 1e-2,
+        "adam_weight_decay": 0.0,
+        "clip_range": 1e-2,
+        "use_async_rewards": False,
+        "use_ema": True,
+        "ema_every_n_steps": 1,
+    }
     fields = {f.name for f in dataclasses.fields(TRAINERS[trainer].config_class)}
     data = {
-        "name": "toy", "trainer": trainer, "output_dir": str(tmp_path / "runs"), "device": "cpu", "num_steps": 1, "seed": 5,
+        "name": "toy",
+        "trainer": trainer,
+        "output_dir": str(tmp_path / "runs"),
+        "device": "cpu",
+        "num_steps": 1,
+        "seed": 5,
         "model": {"path": "toy", "lora_rank": 4, "lora_alpha": 4},
         "data": {"prompts": PROMPTS[:2], "num_prompts_per_step": 1, "group_size": 2},
         "sampler": {"name": "sde", "num_steps": 2, "guidance_scale": 1.0, "noise_level": 0.8},

@@ -298,7 +298,9 @@ def restore_training_state(path: str | Path, accelerator, opt, ema, config: dict
         )
     opt.load_full_state(state["trainable"], state["optimizer"], state["lr_scheduler"])
     ts = state["trainer_state"]
-    opt.load_state_dict(ts["optimizer"])
+    # checkpoints written before the optimizer step had its own record keep its counters at the top level
+    legacy = {"optimizer_steps": ts.get("optimizer_steps", 0), "nan_streak": ts.get("nan_streak", 0), "counters": {}}
+    opt.load_state_dict(ts.get("optimizer", legacy))
     if ema is not None and state["ema"] is not None:
         for name, value in state["ema"].items():
             ema.shadow[name] = like(value, ema.shadow[name])

@@ -34,7 +34,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from flowrl.runs import step_dir_name
+from flowrl.runs import CHECKPOINTS, step_dir_name
 
 STEP_PREFIX = "step_"
 # Tests set this to a step number to SIGKILL the process in the middle of writing that step's checkpoint.
@@ -44,7 +44,7 @@ RESUMABLE_DIFFERENCES = ("num_steps", "checkpoint.", "logging.", "eval.", "devic
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    folder = Path(run_dir) / "checkpoints"
+    folder = Path(run_dir) / CHECKPOINTS
     if not folder.is_dir():
         return []
     found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / "trainer_state.json").exists()]
@@ -106,7 +106,7 @@ def save_checkpoint(
     `trainable`, `optimizer_state` and `ema` are whole (gathered) CPU tensors keyed by parameter name, whatever
     the sharding (flowrl.distributed); only the main process reads them. The LoRA export is written from `trainable`.
     """
-    folder = Path(run_dir) / "checkpoints"
+    folder = Path(run_dir) / CHECKPOINTS
     final = folder / step_dir_name(step)
     tmp = folder / f".tmp_{step_dir_name(step)}"
     if accelerator.is_main_process:

@@ -142,7 +142,9 @@ class RunConfig:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir) / self.name
+        from flowrl.runs import RunFolder
+
+        return RunFolder(self.output_dir, self.name).root
 
 
 _COMPONENT_SECTIONS = {"sampler": "SAMPLERS", "balancer": "BALANCERS"}

@@ -102,9 +102,10 @@ def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> di
         "before": before,
         "after": after,
     }
-    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))  # before the report, which shows it
+    run = trainer.run
+    run.summary.write_text(json.dumps(summary, indent=2))  # before the report, which shows it
     pairs = hacking_pairs(cfg)
-    report = build_report(cfg.run_dir, out_dir=cfg.run_dir / "report", hacking_pairs=pairs)
+    report = build_report(run.root, out_dir=run.report, hacking_pairs=pairs)
     reasons = report["flag_reasons"][next(iter(report["flag_reasons"]))]  # the one run's (eval, reward, reason)
     summary.update(
         {
@@ -114,5 +115,5 @@ def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> di
             "hacking_flags": [list(r) for r in reasons],
         }
     )
-    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.summary.write_text(json.dumps(summary, indent=2))
     return summary

@@ -78,7 +78,8 @@ class GroupedPromptSampler:
             group_seeds=group_seeds,
         )
 
-    def local_batch(self, step: int, process_index: int, num_processes: int) -> PromptBatch:
+    def local_size(self, num_processes: int) -> int:
+        """Samples per process; a one-line error when the step's batch does not split over the processes."""
         total = self.b * self.g
         if total % num_processes:
             raise ValueError(
@@ -90,5 +91,8 @@ class GroupedPromptSampler:
                 f"data.num_prompts_per_step={self.b} does not divide across {num_processes} processes, "
                 f"which keeping whole groups on one process needs; make it a multiple of {num_processes}"
             )
-        n = total // num_processes
+        return total // num_processes
+
+    def local_batch(self, step: int, process_index: int, num_processes: int) -> PromptBatch:
+        n = self.local_size(num_processes)
         return self.global_batch(step).select(slice(process_index * n, (process_index + 1) * n))

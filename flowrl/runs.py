@@ -17,6 +17,8 @@ import math
 import time
 from pathlib import Path
 
+CHECKPOINTS = "checkpoints"  # <run>/checkpoints/step_XXXXXX
+
 
 def step_dir_name(step: int | None) -> str:
     """Folder name of one evaluation or checkpoint: 'step_000120'; None is the base model ('base')."""
@@ -41,7 +43,7 @@ class RunFolder:
 
     @property
     def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
+        return self.root / CHECKPOINTS
 
     def eval_dir(self, step: int | None) -> Path:
         return self.root / "eval" / step_dir_name(step)

@@ -112,8 +112,7 @@ class GRPOTrainer:
         self.prompt_sampler = GroupedPromptSampler(
             load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data"), b, g, cfg.seed
         )
-        self.prompt_sampler.local_batch(0, acc.process_index, acc.num_processes)  # checks the split over processes
-        self.local_n = b * g // acc.num_processes
+        self.local_n = self.prompt_sampler.local_size(acc.num_processes)
         if self.local_n % t.num_minibatches or self.local_n % t.num_rollout_batches:
             raise ValueError(
                 f"the {self.local_n} samples per process do not split into train.num_minibatches="
@@ -212,6 +211,8 @@ class GRPOTrainer:
         for _ in range(t.num_inner_epochs):
             order = torch.randperm(n, generator=gen)
             for m in range(t.num_minibatches):
+                if m % accum == 0:
+                    window = len(stats["loss"])  # this optimizer step's losses start here
                 rows = order[m * mb : (m + 1) * mb].tolist()
                 kept = max(int(keep[rows].sum()), 1)
                 depth = max(len(steps[i]) for i in rows)
@@ -240,7 +241,7 @@ class GRPOTrainer:
                     for key in ("ratio", "approx_kl"):
                         stats[key].append(s[key])
                     stats["clipped"].append(s["clipped"].float())
-                if (m + 1) % accum == 0 and self.opt.step(torch.stack(stats["loss"])) and self.ema is not None:
+                if (m + 1) % accum == 0 and self.opt.step(torch.stack(stats["loss"][window:])) and self.ema is not None:
                     self.ema.update(self.opt.params, self.opt.optimizer_steps)
         ratio = torch.cat(stats["ratio"])
         return {

@@ -4,6 +4,7 @@ A checkpoint is a folder `runs/<name>/checkpoints/step_XXXXXX/`:
 
     trainable.safetensors   every parameter that requires grad (LoRA or full weights), by name
     ema.safetensors         EMA copies of those parameters (when the trainer keeps EMA)
+    <group>.safetensors     a recipe's own tensor groups (NFT: adapter_old.safetensors, its sampling policy)
     optimizer.pt            optimizer state keyed by parameter name, whole tensors whatever the sharding
                             (tensors and numbers; read with weights_only=True)
     lr_scheduler.json       LR scheduler state_dict
@@ -100,6 +101,7 @@ def save_checkpoint(
     model=None,
     keep_last: int = 2,
     lora_tensors: dict[str, torch.Tensor] | None = None,
+    groups: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write the full state of every process for `step`; all processes must call it. Returns the folder.
 
@@ -121,6 +123,8 @@ def save_checkpoint(
             os.kill(os.getpid(), signal.SIGKILL)
         if ema is not None:
             save_file(ema, str(tmp / "ema.safetensors"))
+        for group, tensors in (groups or {}).items():
+            save_file(tensors, str(tmp / f"{group}.safetensors"))
         torch.save(optimizer_state, tmp / "optimizer.pt")
         (tmp / "lr_scheduler.json").write_text(json.dumps(lr_scheduler.state_dict()))
         (tmp / "config.yaml").write_text(config_yaml)
@@ -161,8 +165,9 @@ def _read_checkpoint_file(file: Path, read: Callable[[Path], Any], kind: type | 
     return value
 
 
-def load_checkpoint(path: str | Path, process_index: int = 0) -> dict[str, Any]:
-    """Read a checkpoint folder: tensors through safetensors, the optimizer with weights_only=True."""
+def load_checkpoint(path: str | Path, process_index: int = 0, groups: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Read a checkpoint folder: tensors through safetensors, the optimizer with weights_only=True; `groups` are the
+    recipe's own tensor groups (returned under "groups")."""
     path = Path(path)
     if not (path / "trainer_state.json").is_file():
         what = "has no trainer_state.json" if path.is_dir() else "is not a folder"
@@ -186,6 +191,7 @@ def load_checkpoint(path: str | Path, process_index: int = 0) -> dict[str, Any]:
         "config": _read_checkpoint_file(path / "config.yaml", lambda f: yaml.safe_load(f.read_text()), dict),
         "ema": _read_checkpoint_file(ema, read_tensors) if ema.exists() else None,
         "rng": _read_checkpoint_file(rng, read_json, dict) if rng.exists() else None,
+        "groups": {g: _read_checkpoint_file(path / f"{g}.safetensors", read_tensors) for g in groups},
     }
 
 
@@ -246,9 +252,19 @@ def load_model_for_eval(cfg, checkpoint: str | Path):
 
 
 def save_training_state(
-    accelerator, run_dir: str | Path, step: int, opt, ema, model, trainer_state: dict, config_yaml: str, keep_last: int = 2
+    accelerator,
+    run_dir: str | Path,
+    step: int,
+    opt,
+    ema,
+    model,
+    trainer_state: dict,
+    config_yaml: str,
+    keep_last: int = 2,
+    groups: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Any recipe's checkpoint: the OptimizerStep's tensors and counters, the EMA, the recipe's own state.
+    """Any recipe's checkpoint: the OptimizerStep's tensors and counters, the EMA, the recipe's own state and
+    tensor groups (`groups`: name -> live tensors by name, e.g. a second adapter; gathered like the rest).
 
     Whole tensors are gathered for the main process (a collective under FSDP2 / ZeRO-2, skipped by other
     data-parallel processes). The exported `lora/` holds the EMA adapter when the run keeps EMA (the weights
@@ -259,6 +275,7 @@ def save_training_state(
     gather = opt.sharding.kind is not None or accelerator.is_main_process
     trainable, optimizer_state = opt.full_state(gather)
     ema_tensors = {k: full(v) for k, v in ema.shadow.items()} if gather and ema is not None else None
+    group_tensors = {g: {k: full(v) for k, v in ts.items()} for g, ts in (groups or {}).items()} if gather else None
     exported = "ema" if ema is not None and ema.num_updates > 0 else "raw"
     state = {
         **trainer_state,
@@ -279,17 +296,21 @@ def save_training_state(
         model=model,
         keep_last=keep_last,
         lora_tensors=ema_tensors if exported == "ema" else None,
+        groups=group_tensors,
     )
 
 
-def restore_training_state(path: str | Path, accelerator, opt, ema, config: dict) -> dict:
-    """Load a checkpoint into an OptimizerStep and EMA; returns the recipe's trainer state (step, counters).
+def restore_training_state(
+    path: str | Path, accelerator, opt, ema, config: dict, groups: dict[str, dict[str, torch.Tensor]] | None = None
+) -> dict:
+    """Load a checkpoint into an OptimizerStep and EMA (and the recipe's tensor groups, copied into the live tensors
+    of `groups` in place); returns the recipe's trainer state (step, counters).
 
     Refuses a checkpoint written with another config (keys other than RESUMABLE_DIFFERENCES differ).
     """
     from flowrl.distributed import like
 
-    state = load_checkpoint(path, accelerator.process_index)
+    state = load_checkpoint(path, accelerator.process_index, tuple(groups or {}))
     diff = config_differences(state["config"], config)
     if diff:
         raise ValueError(
@@ -305,6 +326,13 @@ def restore_training_state(path: str | Path, accelerator, opt, ema, config: dict
         for name, value in state["ema"].items():
             ema.shadow[name] = like(value, ema.shadow[name])
         ema.num_updates = int(ts.get("ema_updates", 0))
+    for group, live in (groups or {}).items():
+        saved = state["groups"][group]
+        if saved.keys() != live.keys():
+            raise ValueError(f"checkpoint {str(path)!r}: {group}.safetensors holds other tensors than this run's {group}")
+        with torch.no_grad():
+            for name, tensor in live.items():
+                tensor.copy_(like(saved[name], tensor))
     if state["rng"] is not None:
         set_rng_state(state["rng"])
     return ts

@@ -115,18 +115,64 @@ def _run_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHES = {
+    "rollout": "diffusers pipeline vs flowrl's ODE and SDE samplers on the tiny SD3 and FLUX pipelines",
+    "rewards": "images/s of every reward; the remote reward over in-process",
+    "report": "time to build the report of a fabricated run",
+    "train": "throughput and time shares of the toy GRPO config",
+}
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure speed; writes JSON with side-by-side ratios")
-    p.add_argument("what", choices=["rollout", "rewards", "report", "train"], help="which benchmark")
-    p.add_argument("--json", required=True, help="output JSON path")
-    p.add_argument("--repeats", type=int, default=5)
+    which = p.add_subparsers(dest="what", required=True, metavar="{" + ",".join([*BENCHES, "trainers"]) + "}")
+    for name, text in BENCHES.items():
+        q = which.add_parser(name, help=text)
+        q.add_argument("--json", required=True, help="output JSON path")
+        q.add_argument("--repeats", type=int, default=5)
+    q = which.add_parser(
+        "trainers", help="race the configs/toy/*.yaml recipes over seeds to GRPO's final held-out exact accuracy"
+    )
+    q.add_argument("--json", required=True, help="output JSON path (rewritten after every run); the plot goes beside it, .png")
+    q.add_argument("--recipes", default=None, help="comma-separated configs/toy/<name>.yaml stems, e.g. grpo,nft (default: all)")
+    q.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default: 0,1,2)")
+    q.add_argument("--eval-every", default=None, help="measure every N training steps (default: num_steps // 10)")
+    q.add_argument("--heldout-seeds", default=None, help="seeds per held-out prompt (default: the demo's 16)")
+    q.add_argument("overrides", nargs="*", help="key.path=value overrides for every recipe, e.g. num_steps=30")
+
+
+def _int_list(flag: str, value: str) -> list[int]:
+    try:
+        return [int(part) for part in value.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {value!r} must be comma-separated integers, e.g. {flag} 0,1,2") from None
+
+
+def _positive_int(flag: str, value: str | None) -> int | None:
+    if value is None:
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"{flag} {value!r} must be a whole number >= 1, e.g. {flag} 5")
+    return int(value)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
     import json
+    from pathlib import Path
 
     from flowrl import bench
 
+    if args.what == "trainers":
+        bench.bench_trainers(
+            recipes=None if args.recipes is None else [name.strip() for name in args.recipes.split(",")],
+            seeds=_int_list("--seeds", args.seeds),
+            eval_every_n_steps=_positive_int("--eval-every", args.eval_every),
+            overrides=args.overrides,
+            out_json=args.json,
+            num_seeds=_positive_int("--heldout-seeds", args.heldout_seeds),
+        )
+        print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
+        return 0
     result = getattr(bench, f"bench_{args.what}")(repeats=args.repeats)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)

@@ -331,3 +331,53 @@ class Evaluator:
                 self.run(Path(scratch) / label, step, label, weights)
         accelerator.wait_for_everyone()
         return result
+
+
+class TrainingEvaluation:
+    """The evaluation a recipe runs during training: the base model (adapter switched off) before the first step,
+    then the trained weights — their EMA once an EMA update happened and `eval.use_ema` — on the eval grid.
+
+    The evaluator (and the gold rewards) is built at the first call.
+    """
+
+    def __init__(self, cfg, accelerator, run, model: FlowModel, rewards: dict[str, Reward], opt, ema):
+        self.cfg, self.accelerator, self.run, self.model, self.rewards, self.opt, self.ema = (
+            cfg,
+            accelerator,
+            run,
+            model,
+            rewards,
+            opt,
+            ema,
+        )
+        self._evaluator: Evaluator | None = None
+
+    @property
+    def evaluator(self) -> Evaluator:
+        if self._evaluator is None:
+            self._evaluator = Evaluator.from_config(self.cfg, self.model, self.rewards)
+        return self._evaluator
+
+    def weights(self, step: int | None):
+        """(context manager, label): the weights evaluated at `step` swapped in; label 'base', 'ema' or 'raw'."""
+        import contextlib
+
+        if step is None:
+            return (self.model.adapter_disabled() if self.model.has_lora else contextlib.nullcontext()), "base"
+        if self.cfg.eval.use_ema and self.ema is not None and self.ema.num_updates > 0:
+            return self.ema.swapped(self.opt.params), "ema"
+        return contextlib.nullcontext(), "raw"
+
+    def __call__(self, step: int | None) -> dict | None:
+        from flowrl.runs import step_dir_name
+
+        context, label = self.weights(step)
+        with context:
+            return self.evaluator.run_in_training(
+                self.accelerator,
+                self.opt.sharding.kind == "fsdp",
+                self.run.eval_dir(step),
+                step or 0,
+                step_dir_name(step),
+                label,
+            )

@@ -1,8 +1,13 @@
-"""Losses of the trainers, each a few lines over per-sample tensors (docs/math.md#clipped-surrogate, #kl-to-the-reference)."""
+"""Losses of the trainers, each a few lines over per-sample tensors (docs/math.md#clipped-surrogate,
+#kl-to-the-reference, #diffusionnft)."""
 
 from __future__ import annotations
 
 import torch
+
+from flowrl import sde
+
+ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
 
 
 def clipped_policy_loss(
@@ -23,3 +28,71 @@ def clipped_policy_loss(
         "approx_kl": 0.5 * log_ratio.detach() ** 2,
     }
     return loss, stats
+
+
+def nft_reward(advantages: torch.Tensor, adv_clip_max: float, adv_mode: str = "all") -> torch.Tensor:
+    """DiffusionNFT's optimality probability r = clamp(A / (2·A_max) + 1/2, 0, 1) of A = clip(Â, ±A_max) [n].
+
+    `adv_mode` first maps A: 'positive_only' max(A, 0), 'negative_only' min(A, 0), 'one_only' 1[A > 0], 'binary' sign(A).
+    """
+    if adv_mode not in ADV_MODES:
+        raise ValueError(f"train.adv_mode={adv_mode!r} must be one of {', '.join(ADV_MODES)}")
+    a = advantages.float().clamp(-adv_clip_max, adv_clip_max)
+    if adv_mode == "positive_only":
+        a = a.clamp(min=0)
+    elif adv_mode == "negative_only":
+        a = a.clamp(max=0)
+    elif adv_mode == "one_only":
+        a = (a > 0).float()
+    elif adv_mode == "binary":
+        a = torch.sign(a)
+    return (a / (2 * adv_clip_max) + 0.5).clamp(0.0, 1.0)
+
+
+def _self_normalised_x0_loss(x_t: torch.Tensor, v: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """mean((x̂0 − x0)²) / sg(max(mean|x̂0 − x0|, 1e-5)) per sample, x̂0 = x_t − σ·v; the weight in float64."""
+    x0_hat = sde.x0_from_velocity(x_t, v, sigma)
+    dims = tuple(range(1, x0.ndim))
+    with torch.no_grad():
+        weight = (x0_hat.double() - x0.double()).abs().mean(dims).clamp(min=1e-5)  # [n] float64
+    return ((x0_hat - x0) ** 2).mean(dims).double().div(weight).float()
+
+
+def nft_loss(
+    v_theta: torch.Tensor,
+    v_old: torch.Tensor,
+    v_ref: torch.Tensor | None,
+    x0: torch.Tensor,
+    x_t: torch.Tensor,
+    sigma: torch.Tensor,
+    advantages: torch.Tensor,
+    adv_clip_max: float,
+    nft_beta: float,
+    kl_coef: float,
+    adv_mode: str = "all",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DiffusionNFT's forward-process loss per sample [n] (docs/math.md#diffusionnft).
+
+    Implicit policies v⁺ = β·v_θ + (1 − β)·sg(v_old), v⁻ = (1 + β)·sg(v_old) − β·v_θ, each scored by the
+    self-normalised x0 regression; policy term (A_max/β)·(r·L⁺ + (1 − r)·L⁻); plus kl_coef·mean((v_θ − v_ref)²)
+    (v_ref None = no KL term). `sigma` [n] is the training time of each sample, x_t = (1 − σ)·x0 + σ·ε.
+    """
+    v_theta, x0 = v_theta.float(), x0.float()
+    v_old = v_old.detach().float()
+    r = nft_reward(advantages, adv_clip_max, adv_mode)  # [n]
+    positive = _self_normalised_x0_loss(x_t, nft_beta * v_theta + (1 - nft_beta) * v_old, x0, sigma)  # [n]
+    negative = _self_normalised_x0_loss(x_t, (1 + nft_beta) * v_old - nft_beta * v_theta, x0, sigma)  # [n]
+    policy = (adv_clip_max / nft_beta) * (r * positive + (1 - r) * negative)  # [n]
+    kl = (
+        ((v_theta - v_ref.detach().float()) ** 2).mean(tuple(range(1, x0.ndim)))
+        if v_ref is not None
+        else torch.zeros_like(policy)
+    )
+    stats = {
+        "policy_loss": policy.detach(),
+        "kl": kl.detach(),
+        "r": r,
+        "positive_loss": positive.detach(),
+        "negative_loss": negative.detach(),
+    }
+    return policy + kl_coef * kl, stats

@@ -119,3 +119,43 @@ def show_progress(bar, metrics: dict) -> None:
         if (k.endswith("/mean") and k.startswith("reward/")) or k == "train/loss"
     }
     bar.set_postfix(shown)
+
+
+def train_loop(recipe, label: str) -> dict:
+    """Run a recipe to cfg.num_steps: resume (checkpoint.resume), the run folder and trackers, the base eval, then
+    `recipe.train_step()` with logging, evals and checkpoints on their cadences, a last checkpoint and eval.
+
+    The recipe provides cfg, accelerator, run, step, train_step(), save(), resume(path), evaluate(step | None)
+    and scorer; every recipe's `train()` is this loop (the algorithm lives in its train_step)."""
+    from flowrl.checkpoint import resolve_resume
+    from flowrl.config import dump_config, flatten, to_dict
+
+    cfg, acc = recipe.cfg, recipe.accelerator
+    resume = resolve_resume(cfg.checkpoint.resume, recipe.run.root)
+    if resume is not None:
+        recipe.resume(resume)
+    recipe.run.start(acc, dump_config(cfg), recipe.opt.sharding.kind, cfg.model.mixed_precision)
+    scalars = {k: v for k, v in flatten(to_dict(cfg)).items() if isinstance(v, (int, float, str, bool))}
+    acc.init_trackers(cfg.name, config=scalars)
+    if recipe.step == 0:
+        recipe.evaluate(None)
+    bar = progress_bar(cfg.logging.progress_bar and acc.is_main_process, cfg.num_steps, recipe.step, f"{label} {cfg.name}")
+    history = []
+    while recipe.step < cfg.num_steps:
+        metrics = recipe.train_step()
+        history.append(metrics)
+        recipe.run.log(acc, recipe.step, metrics)
+        show_progress(bar, metrics)
+        step, last = recipe.step, recipe.step >= cfg.num_steps
+        if cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0 and not last:
+            recipe.save()
+        if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0 and not last:
+            recipe.evaluate(step)
+    if bar is not None:
+        bar.close()
+    recipe.save()
+    final = recipe.evaluate(recipe.step)
+    recipe.scorer.close()
+    acc.wait_for_everyone()
+    acc.end_training()
+    return {"history": history, "final_eval": final}

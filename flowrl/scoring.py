@@ -138,3 +138,33 @@ def reward_metrics(scores: dict[str, torch.Tensor], failed: torch.Tensor) -> dic
         metrics[f"reward/{name}/std"] = float(finite.std(unbiased=False)) if finite.numel() else float("nan")
     metrics["reward/dropped_samples"] = float(failed.sum())
     return metrics
+
+
+def rollout_and_score(sampler, model, batch, scorer: Scorer, num_chunks: int, step: int):
+    """Stages 2-3 of a recipe: the batch sampled in `num_chunks` chunks, each chunk's rewards scored (in the scorer's
+    worker thread while the next chunk samples). Returns (Rollout of the whole batch, local Scores, rollout seconds)."""
+    import time
+
+    from flowrl.types import Rollout
+
+    chunk = len(batch.prompts) // num_chunks
+    parts, seconds = [], 0.0
+    model.transformer.eval()
+    for c in range(num_chunks):
+        tic = time.perf_counter()
+        part = sampler(model, batch.select(slice(c * chunk, (c + 1) * chunk)), step=step)
+        seconds += time.perf_counter() - tic
+        parts.append(part)
+        scorer.submit(part.images, part.prompts, part.metadata, offset=c * chunk)
+    return Rollout.concat(parts), scorer.collect(), seconds
+
+
+def balance(accelerator, local: Scores, batch, balancer, weights: dict[str, float]):
+    """Stages 4-5 of a recipe: every process's scores gathered, advantages by the balancer (0 for failed samples).
+
+    Returns (this process's advantages [N], keep [N] = not failed, metrics, reward error count)."""
+    scores, failed, group_ids, errors = gather_scores(accelerator, local, batch.group_ids)
+    advantages, metrics = balancer(scores, group_ids, weights)  # [B*G]
+    advantages = torch.where(failed, torch.zeros_like(advantages), advantages)
+    metrics.update(reward_metrics(scores, failed))
+    return advantages[batch.global_index], ~failed[batch.global_index], metrics, errors

@@ -240,6 +240,13 @@ def noise_from_velocity(x: torch.Tensor, v: torch.Tensor, sigma: float | torch.T
     return x + (1 - sigma) * v
 
 
+def forward_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: float | torch.Tensor) -> torch.Tensor:
+    """The forward process `x_σ = (1 − σ)·x0 + σ·ε` (float32); `sigma` a float or per-sample [N] (DiffusionNFT)."""
+    x0, noise = x0.float(), noise.float()
+    sigma = _batch_view(_as_float32(sigma, "sigma", x0.shape[0], x0.device), x0.ndim)
+    return (1 - sigma) * x0 + sigma * noise
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Stochastic steps
 # ---------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ A sample's three random streams hang off its own seed `s`:
     initial noise      torch.Generator().manual_seed(s)           (the diffusers pipeline's latents for seed s)
     step noise         manual_seed(s + NOISE_STREAM)
     SDE window start   manual_seed(s + WINDOW_STREAM)
+    training noise     manual_seed(s + TRAIN_STREAM)              (NFT: its training times and their ε)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 MAX_SEED = 2**31 - 1
 NOISE_STREAM = 1 << 32  # offset between a sample's latent seed and its step-noise seed
 WINDOW_STREAM = 2 * NOISE_STREAM  # offset of the seed that places a sample's SDE window
+TRAIN_STREAM = 3 * NOISE_STREAM  # offset of the seed of a sample's training-time draws (forward-process recipes)
 
 
 def prompt_order(seed: int, epoch: int, num_prompts: int) -> torch.Tensor:

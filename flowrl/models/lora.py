@@ -1,4 +1,5 @@
-"""LoRA on a model's `transformer` through peft: add, switch off (the reference model), save, load.
+"""LoRA on a model's `transformer` through peft: add, switch off (the reference model), save, load, and named
+adapters beside the trained one (DiffusionNFT's sampling policy "old"): switch, copy, soft-update in place.
 
 `LoRAMixin` is shared by every adapter. Diffusers-backed models write the adapter with their pipeline's
 `save_lora_weights` (so `pipe.load_lora_weights(folder)` reads it); models without a pipeline (the toy)
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,8 +58,9 @@ class LoRAMixin:
             target_modules=list(target_modules or self.lora_target_modules),
         )
         self.transformer.add_adapter(self._lora_config, adapter_name=adapter_name)
+        self._set_active(adapter_name)
         for name, param in self.transformer.named_parameters():
-            param.requires_grad_("lora_" in name)
+            param.requires_grad_(f".{adapter_name}." in name and "lora_" in name)
 
     @property
     def has_lora(self) -> bool:
@@ -72,7 +75,7 @@ class LoRAMixin:
             return {k.replace(f".{adapter_name}.", "."): v for k, v in parameters.items() if "lora_" in k}
         from peft.utils import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(self.transformer)
+        return get_peft_model_state_dict(self.transformer, adapter_name=adapter_name)
 
     def _lora_metadata(self) -> dict | None:
         if self._lora_config is None:
@@ -130,8 +133,87 @@ class LoRAMixin:
         """The reference (base) model: LoRA layers switched off inside the block, on again after."""
         if not self.has_lora:
             raise RuntimeError("adapter_disabled() needs a LoRA adapter; with full fine-tuning keep a frozen reference copy")
+        # peft's disable / enable also set requires_grad (off for all, then on for the active adapter only): the
+        # trained / frozen split is put back as the recipe set it, whichever adapter is active
+        flags = [(p, p.requires_grad) for p in self.transformer.parameters()]
         self.transformer.disable_adapters()
         try:
             yield
         finally:
             self.transformer.enable_adapters()
+            for p, flag in flags:
+                p.requires_grad_(flag)
+
+    # ------------------------------------------------------------------------------------ named adapters
+    @property
+    def adapter_names(self) -> list[str]:
+        """Names of the LoRA adapters on the transformer (the trained one is "default")."""
+        return list(getattr(self.transformer, "peft_config", {}) or {})
+
+    def adapter_parameters(self, adapter_name: str) -> dict[str, torch.Tensor]:
+        """The adapter's parameters by their full name (`...lora_A.<adapter_name>.weight`)."""
+        if adapter_name not in self.adapter_names:
+            raise KeyError(f"adapter {adapter_name!r} does not exist; adapters: {', '.join(self.adapter_names) or 'none'}")
+        tag = f".{adapter_name}."
+        return {n: p for n, p in self.transformer.named_parameters() if "lora_" in n and tag in n}
+
+    def _tuner_layers(self) -> Iterator[Any]:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        return (m for m in self.transformer.modules() if isinstance(m, BaseTunerLayer))
+
+    def _set_active(self, adapter_name: str) -> None:
+        # peft's own set_adapter also flips requires_grad (on for the active adapter, off for the others); a
+        # sharded run (FSDP2) fixes a parameter's requires_grad when it first gathers it, so flowrl switches only
+        # which adapter the layers compute and leaves the trained / frozen split as the recipe set it
+        for layer in self._tuner_layers():
+            layer._active_adapter = [adapter_name]
+
+    def _active(self) -> str:
+        layer = next(self._tuner_layers(), None)
+        return "default" if layer is None else layer.active_adapters[0]
+
+    @contextlib.contextmanager
+    def using_adapter(self, adapter_name: str) -> Iterator[None]:
+        """`velocity` computes with adapter `adapter_name` inside the block (no weights move, no grad flags change)."""
+        if adapter_name not in self.adapter_names:
+            raise KeyError(f"adapter {adapter_name!r} does not exist; adapters: {', '.join(self.adapter_names) or 'none'}")
+        previous = self._active()
+        self._set_active(adapter_name)
+        try:
+            yield
+        finally:
+            self._set_active(previous)
+
+    @torch.no_grad()
+    def copy_adapter(self, source: str = "default", target: str = "old") -> None:
+        """Make adapter `target` an exact, frozen copy of `source` (created with the same config when missing)."""
+        if target not in self.adapter_names:
+            config = self.transformer.peft_config[source]
+            active = self._active()
+            flags = {n: p.requires_grad for n, p in self.transformer.named_parameters()}
+            # diffusers activates the new adapter through peft's set_adapter, which also flips requires_grad
+            with warnings.catch_warnings():  # peft warns that a model with adapters gets one more: intended here
+                warnings.simplefilter("ignore", UserWarning)
+                self.transformer.add_adapter(config, adapter_name=target)
+            self._set_active(active)
+            for n, p in self.transformer.named_parameters():
+                p.requires_grad_(flags.get(n, False))
+        src, dst = self.adapter_parameters(source), self.adapter_parameters(target)
+        for name, p in src.items():
+            q = dst[name.replace(f".{source}.", f".{target}.")]
+            q.data = p.detach().clone()
+            q.requires_grad_(False)
+
+    @torch.no_grad()
+    def soft_update_adapter(self, target: str, source: str, decay: float) -> None:
+        """In place: target <- decay * target + (1 - decay) * source (each process updates its own shards)."""
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"adapter soft-update decay={decay} must be in [0, 1]")
+        src, dst = self.adapter_parameters(source), self.adapter_parameters(target)
+        for name, p in src.items():
+            q = dst[name.replace(f".{source}.", f".{target}.")]
+            if decay == 0.0:
+                q.copy_(p)
+            else:
+                q.mul_(decay).add_(p.detach(), alpha=1.0 - decay)

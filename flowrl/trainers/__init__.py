@@ -11,14 +11,17 @@ from pathlib import Path
 
 from flowrl import config as run_config
 from flowrl.trainers.grpo import GRPOConfig, GRPOTrainer
+from flowrl.trainers.nft import NFTConfig, NFTTrainer
 
-TRAINERS: dict[str, type] = {"grpo": GRPOTrainer}
+TRAINERS: dict[str, type] = {"grpo": GRPOTrainer, "nft": NFTTrainer}
 DEFAULT_TRAINER = "grpo"
 
 
 def trainer_class(name: str) -> type:
     if name not in TRAINERS:
-        raise run_config.ConfigError(f"trainer={name!r} is not one of {', '.join(TRAINERS)}; set trainer: grpo (the default)")
+        raise run_config.ConfigError(
+            f"trainer={name!r} is not one of {', '.join(TRAINERS)}; set trainer: grpo (the default) or nft"
+        )
     return TRAINERS[name]
 
 
@@ -36,4 +39,14 @@ def build_trainer(cfg: run_config.RunConfig, accelerator=None):
     return trainer_class(cfg.trainer)(cfg, accelerator=accelerator)
 
 
-__all__ = ["TRAINERS", "GRPOConfig", "GRPOTrainer", "build_config", "build_trainer", "load_config", "trainer_class"]
+__all__ = [
+    "TRAINERS",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "NFTConfig",
+    "NFTTrainer",
+    "build_config",
+    "build_trainer",
+    "load_config",
+    "trainer_class",
+]

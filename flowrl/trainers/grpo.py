@@ -21,7 +21,6 @@ Only the clipped-ratio optimisation (stage 6) is GRPO's own; everything else is 
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
 from dataclasses import dataclass
@@ -30,17 +29,17 @@ import torch
 
 from flowrl import sde
 from flowrl import seeds as seed_formulas
-from flowrl.checkpoint import resolve_resume, restore_training_state, save_training_state
-from flowrl.config import RunConfig, dump_config, flatten, to_dict
+from flowrl.checkpoint import restore_training_state, save_training_state
+from flowrl.config import RunConfig, dump_config, to_dict
 from flowrl.distributed import make_accelerator
-from flowrl.evaluation import Evaluator
+from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import clipped_policy_loss
 from flowrl.models import build_policy
 from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import GroupedPromptSampler, load_prompts
 from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.runs import RunFolder, progress_bar, show_progress, step_dir_name
-from flowrl.scoring import Scorer, build_rewards, gather_scores, reward_metrics
+from flowrl.runs import RunFolder, train_loop
+from flowrl.scoring import Scorer, balance, build_rewards, rollout_and_score
 from flowrl.types import Rollout, select_cond
 
 
@@ -134,7 +133,7 @@ class GRPOTrainer:
         self.weights = {r.name: r.weight for r in cfg.rewards}
         self.scorer = Scorer(self.rewards, cfg.on_reward_error, t.use_async_rewards)
         self.balancer = BALANCERS.get(cfg.balancer.name)(**cfg.balancer.kwargs)
-        self._evaluator = None  # built at the first evaluation (gold rewards load only then)
+        self.evaluation = TrainingEvaluation(cfg, acc, self.run, self.model, self.rewards, self.opt, self.ema)
         self.step = 0
         self.counters = {"reward_errors": 0}
 
@@ -147,28 +146,11 @@ class GRPOTrainer:
         batch = self.prompt_sampler.local_batch(self.step, acc.process_index, acc.num_processes)
 
         # 2. Rollout (in chunks) and 3. Score (overlapping the next chunk in a worker thread)
-        chunk = self.local_n // t.num_rollout_batches
-        parts, rollout_s = [], 0.0
-        model.transformer.eval()
-        for c in range(t.num_rollout_batches):
-            tic = time.perf_counter()
-            part = self.sampler(model, batch.select(slice(c * chunk, (c + 1) * chunk)), step=self.step)
-            rollout_s += time.perf_counter() - tic
-            parts.append(part)
-            self.scorer.submit(part.images, part.prompts, part.metadata, offset=c * chunk)
-        local = self.scorer.collect()
-        rollout = Rollout.concat(parts)
+        rollout, local, rollout_s = rollout_and_score(self.sampler, model, batch, self.scorer, t.num_rollout_batches, self.step)
 
-        # 4. Gather
-        scores, failed, group_ids, errors = gather_scores(acc, local, batch.group_ids)
+        # 4. Gather and 5. Balance: advantages [N] of this process's samples, failed samples kept out
+        local_adv, keep, metrics, errors = balance(acc, local, batch, self.balancer, self.weights)
         self.counters["reward_errors"] += errors
-
-        # 5. Balance
-        advantages, metrics = self.balancer(scores, group_ids, self.weights)  # [B*G]
-        advantages = torch.where(failed, torch.zeros_like(advantages), advantages)
-        metrics.update(reward_metrics(scores, failed))
-        local_adv = advantages[batch.global_index]  # [N]
-        keep = ~failed[batch.global_index]  # [N]
         if t.filter_zero_std:
             keep &= local_adv != 0
 
@@ -277,59 +259,11 @@ class GRPOTrainer:
         if self.accelerator.is_main_process:
             self.run.forget_after(self.step)
 
-    @property
-    def evaluator(self) -> Evaluator:
-        if self._evaluator is None:
-            self._evaluator = Evaluator.from_config(self.cfg, self.model, self.rewards)
-        return self._evaluator
-
     def evaluate(self, step: int | None) -> dict | None:
         """The fixed evaluation of the current weights (EMA once an EMA update happened); None = the base model."""
-        use_ema = self.cfg.eval.use_ema and self.ema is not None and step is not None and self.ema.num_updates > 0
-        weights = "base" if step is None else ("ema" if use_ema else "raw")
-        nothing = contextlib.nullcontext()
-        with (
-            self.ema.swapped(self.opt.params) if use_ema else nothing,
-            self.model.adapter_disabled() if step is None and self.model.has_lora else nothing,
-        ):
-            return self.evaluator.run_in_training(
-                self.accelerator,
-                self.opt.sharding.kind == "fsdp",
-                self.run.eval_dir(step),
-                step or 0,
-                step_dir_name(step),
-                weights,
-            )
+        return self.evaluation(step)
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> dict:
         """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""
-        cfg, acc = self.cfg, self.accelerator
-        resume = resolve_resume(cfg.checkpoint.resume, self.run.root)
-        if resume is not None:
-            self.resume(resume)
-        self.run.start(acc, dump_config(cfg), self.opt.sharding.kind, cfg.model.mixed_precision)
-        acc.init_trackers(
-            cfg.name, config={k: v for k, v in flatten(to_dict(cfg)).items() if isinstance(v, (int, float, str, bool))}
-        )
-        if self.step == 0:
-            self.evaluate(None)
-        bar = progress_bar(cfg.logging.progress_bar and acc.is_main_process, cfg.num_steps, self.step, f"grpo {cfg.name}")
-        history = []
-        while self.step < cfg.num_steps:
-            metrics = self.train_step()
-            history.append(metrics)
-            self.run.log(acc, self.step, metrics)
-            show_progress(bar, metrics)
-            if cfg.checkpoint.every_n_steps and self.step % cfg.checkpoint.every_n_steps == 0 and self.step < cfg.num_steps:
-                self.save()
-            if cfg.eval.every_n_steps and self.step % cfg.eval.every_n_steps == 0 and self.step < cfg.num_steps:
-                self.evaluate(self.step)
-        if bar is not None:
-            bar.close()
-        self.save()
-        final = self.evaluate(self.step)
-        self.scorer.close()
-        acc.wait_for_everyone()
-        acc.end_training()
-        return {"history": history, "final_eval": final}
+        return train_loop(self, "grpo")

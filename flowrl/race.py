@@ -1,0 +1,310 @@
+"""`flowrl bench trainers`: the race between training recipes on the toy Shapes world.
+
+    flowrl bench trainers --json runs/race.json                       # every configs/toy/*.yaml, seeds 0,1,2
+    flowrl bench trainers --json runs/race.json --recipes grpo,nft --seeds 0,1 num_steps=30
+
+Each recipe is a config file, `configs/toy/<name>.yaml`, run once per seed with the same loop (no code per recipe):
+its trainer's `train_step()` `num_steps` times, with no checkpoint and no in-training evaluation. Only the
+`train_step()` calls are timed, so the seconds axis leaves evaluation out. The held-out accuracy is the demo's
+measurement (`flowrl.demo.heldout_scores`: every held-out prompt x fixed seeds through the ODE sampler), graded by
+the exact rule-based `toy_exact` checker (the headline) with the trained judge's reading beside it, taken at step 0
+(the base model), every `eval_every_n_steps` steps and at the final step, on the weights the recipe evaluates
+with (its EMA once one was updated and `eval.use_ema` holds, else the raw weights).
+
+The target is GRPO's median final exact accuracy over the seeds; a run reaches it at its first measured point at or
+above it (steps and that point's training seconds; nothing interpolated). Medians over seeds are taken over the
+seeds that reached the target, and are null when fewer than half of the seeds did. The JSON is rewritten after
+every finished run, so a crash keeps what finished; the plot (exact accuracy vs training seconds) goes beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]  # = Path(flowrl.__file__).parents[1]
+TOY_CONFIGS = REPO / "configs" / "toy"
+BASELINE = "grpo"  # the recipe whose median final accuracy is the target
+
+
+def toy_recipes() -> list[str]:
+    """Every `configs/toy/*.yaml` stem, sorted, grpo first."""
+    if not TOY_CONFIGS.is_dir():
+        raise FileNotFoundError(f"no {TOY_CONFIGS} folder: `flowrl bench trainers` runs from a source checkout of flowrl")
+    return sorted(sorted(p.stem for p in TOY_CONFIGS.glob("*.yaml")), key=lambda name: name != BASELINE)
+
+
+def recipe_order(recipes: list[str] | None) -> list[str]:
+    """The recipes to race, grpo first; an unknown name, a repeat or a list without grpo is a one-line error."""
+    available = toy_recipes()
+    if recipes is None:
+        recipes = available
+    recipes = list(recipes)
+    if not recipes:
+        raise ValueError(f"--recipes is empty; name some of {', '.join(available)} (default: all)")
+    for name in recipes:
+        if name not in available:
+            raise ValueError(
+                f"--recipes {name!r} has no configs/toy/{name}.yaml; the recipes are {', '.join(available)} "
+                "(the configs/toy/*.yaml files)"
+            )
+        if recipes.count(name) > 1:
+            raise ValueError(f"--recipes names {name!r} twice; name each recipe once")
+    if BASELINE not in recipes:
+        raise ValueError(
+            f"--recipes {','.join(recipes)} lacks {BASELINE}: the target is GRPO's median final accuracy; "
+            f"add it, e.g. --recipes {BASELINE},{recipes[0]}"
+        )
+    return [BASELINE] + [name for name in recipes if name != BASELINE]
+
+
+def median_if_most(values: list) -> float | None:
+    """Median of the non-null values; null when fewer than half of all the values are non-null (or none are)."""
+    reached = [v for v in values if v is not None]
+    if not reached or len(reached) < len(values) / 2:
+        return None
+    return statistics.median(reached)
+
+
+def first_reaching(curve: list[list[float]], target: float | None) -> tuple[int | None, float | None]:
+    """(step, training seconds) of the first curve point [step, seconds, exact, judge] with exact >= target."""
+    if target is None:
+        return None, None
+    for step, seconds, exact, _ in curve:
+        if exact >= target:
+            return int(step), seconds
+    return None, None
+
+
+def _run_recipe(recipe: str, seed: int, overrides: list[str], every: int | None, num_seeds: int, eval_steps, progress: bool):
+    """One recipe x seed: its config's num_steps train steps, measured at 0, every `every` steps and at the end."""
+    import torch
+
+    from flowrl.demo import heldout_scores, judge_checkpoint
+    from flowrl.runs import progress_bar, show_progress
+    from flowrl.trainers import build_trainer, load_config
+
+    with tempfile.TemporaryDirectory() as root:
+        fixed = [f"seed={seed}", f"output_dir={root}", f"name=bench_{recipe}_{seed}", "logging.trackers=[]"]
+        fixed += ["logging.progress_bar=false", "checkpoint.every_n_steps=0", "eval.every_n_steps=0"]
+        cfg = load_config(TOY_CONFIGS / f"{recipe}.yaml", [*fixed, *overrides])
+        trainer = build_trainer(cfg)
+        model, judge = trainer.model, judge_checkpoint(cfg)
+        every = every or max(1, cfg.num_steps // 10)
+        steps = eval_steps or cfg.eval.num_steps
+
+        def measure(step: int, seconds: float) -> dict:
+            use_ema = trainer.ema is not None and cfg.eval.use_ema and trainer.ema.num_updates > 0
+            nothing = contextlib.nullcontext()
+            with (
+                torch.random.fork_rng(),  # training never depends on how often it is measured
+                model.adapter_disabled() if step == 0 and model.has_lora else nothing,
+                trainer.ema.swapped(trainer.opt.params) if step > 0 and use_ema else nothing,
+            ):
+                model.transformer.eval()
+                scores = heldout_scores(model, num_seeds, steps, cfg.eval.guidance_scale, judge)
+            curve.append([step, round(seconds, 3), scores["exact_accuracy"], scores["judge_accuracy"]])
+            return scores
+
+        curve: list[list[float]] = []
+        base = measure(0, 0.0)
+        seconds, final = 0.0, base
+        bar = progress_bar(progress, cfg.num_steps, 0, f"{recipe} seed {seed}")
+        try:
+            for step in range(1, cfg.num_steps + 1):
+                tic = time.perf_counter()
+                metrics = trainer.train_step()
+                seconds += time.perf_counter() - tic
+                show_progress(bar, metrics)
+                if step % every == 0 or step == cfg.num_steps:
+                    final = measure(step, seconds)
+        finally:
+            if bar is not None:
+                bar.close()
+            trainer.scorer.close()
+    return {
+        "curve": curve,
+        "final_judge_accuracy": final["judge_accuracy"],
+        "final_artifact": final["artifact"],
+        "base_artifact": base["artifact"],
+        "train_seconds": round(seconds, 3),
+    }
+
+
+def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings: dict, host: dict) -> dict:
+    """The race's JSON from the finished runs ({recipe: {seed: run}}); the target is null until every GRPO seed ran."""
+    grpo = runs.get(BASELINE, {})
+    target = None
+    if grpo and len(grpo) == len(settings["seeds"]):
+        target = statistics.median(run["curve"][-1][2] for run in grpo.values())
+    recipes, to_steps, to_seconds = {}, {}, {}
+    for name, by_seed in runs.items():
+        reached = [first_reaching(run["curve"], target) for run in by_seed.values()]
+        entry = recipes[name] = {
+            "config": f"configs/toy/{name}.yaml",
+            "seeds": list(by_seed),
+            "final_accuracy": [run["curve"][-1][2] for run in by_seed.values()],
+            "final_judge_accuracy": [run["final_judge_accuracy"] for run in by_seed.values()],
+            "final_artifact": [run["final_artifact"] for run in by_seed.values()],
+            "base_artifact": next(iter(by_seed.values()))["base_artifact"],  # the base model: alike for every seed
+            "steps_to_target": [steps for steps, _ in reached],
+            "seconds_to_target": [seconds for _, seconds in reached],
+            "train_seconds": [run["train_seconds"] for run in by_seed.values()],
+            "curves": [run["curve"] for run in by_seed.values()],
+        }
+        to_steps[name] = median_if_most(entry["steps_to_target"])
+        to_seconds[name] = median_if_most(entry["seconds_to_target"])
+    grpo_seconds = to_seconds.get(BASELINE)
+    return {
+        "target_accuracy": target,
+        "recipes": recipes,
+        "steps_to_grpo_final": to_steps,
+        "seconds_to_grpo_final": to_seconds,
+        "seconds_ratio_to_grpo": {
+            name: round(s / grpo_seconds, 3) if s is not None and grpo_seconds else None for name, s in to_seconds.items()
+        },
+        "overrides": list(overrides),
+        "settings": settings,
+        "host": host,
+    }
+
+
+def _write_json(result: dict, path: Path) -> None:
+    """Replace `path` whole (a crash mid-write leaves the previous version)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=2))
+    os.replace(partial, path)
+
+
+def _cell(value, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def bench_trainers(
+    recipes: list[str] | None = None,
+    seeds: list[int] | tuple[int, ...] = (0, 1, 2),
+    eval_every_n_steps: int | None = None,
+    overrides: list[str] | None = None,
+    out_json: str | Path | None = None,
+    num_seeds: int | None = None,
+    eval_num_steps: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Race `recipes` (configs/toy/<name>.yaml stems; default all, grpo first) over `seeds` to GRPO's median final
+    exact held-out accuracy. Measured at step 0, every `eval_every_n_steps` (default num_steps // 10, at least 1) and
+    at the final step, over every held-out prompt x `num_seeds` seeds (default flowrl.demo.SUMMARY_SEEDS) with
+    `eval_num_steps` ODE steps (default the config's eval.num_steps). `overrides` (dotlist) apply to every recipe.
+
+    Per recipe: per seed the final accuracies and artifact score, the first measured step and training seconds at
+    or above the target (null if never), and the curves [[step, seconds, exact, judge], ...]. The medians
+    (`steps_to_grpo_final`, `seconds_to_grpo_final`, `seconds_ratio_to_grpo` = a recipe's median seconds over
+    GRPO's) are over the seeds that reached the target, and null when fewer than half of the seeds reached it (the
+    ratio also when GRPO's median seconds is 0: the base model already at the target). With `out_json`, the JSON is
+    written there after every finished run and the plot beside it (`.png`) at the end.
+    """
+    import torch
+
+    from flowrl.demo import SUMMARY_SEEDS
+    from flowrl.trainers import load_config
+
+    order = recipe_order(recipes)
+    seeds, overrides = list(seeds), list(overrides or [])
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {','.join(map(str, seeds)) or '(none)'} must name at least one seed, each once, e.g. 0,1,2")
+    num_seeds = SUMMARY_SEEDS if num_seeds is None else num_seeds
+    for flag, value in (("--eval-every", eval_every_n_steps), ("--heldout-seeds", num_seeds), ("eval_num_steps", eval_num_steps)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}={value} must be >= 1")
+    for name in order:  # every config and override loads before the first run starts
+        load_config(TOY_CONFIGS / f"{name}.yaml", [f"seed={seeds[0]}", *overrides])
+    out_json = Path(out_json) if out_json is not None else None
+    settings = {
+        "seeds": seeds,
+        "heldout_seeds": num_seeds,
+        "eval_num_steps": eval_num_steps,
+        "eval_every_n_steps": eval_every_n_steps,
+    }
+    host = {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    print(
+        f"{'recipe':<12} {'seed':>4} {'exact':>6} {'judge':>6} {'artifact':>8} {'train_s':>8} {'steps->t':>8} {'s->t':>8}",
+        flush=True,
+    )
+    runs: dict[str, dict[int, dict]] = {}
+    for name in order:
+        for seed in seeds:
+            run = _run_recipe(name, seed, overrides, eval_every_n_steps, num_seeds, eval_num_steps, progress)
+            runs.setdefault(name, {})[seed] = run
+            result = race_result(runs, overrides, settings, host)
+            if out_json is not None:
+                _write_json(result, out_json)
+            steps, seconds = first_reaching(run["curve"], result["target_accuracy"])
+            pending = name == BASELINE and result["target_accuracy"] is None
+            print(
+                f"{name:<12} {seed:>4} {run['curve'][-1][2]:>6.3f} {run['final_judge_accuracy']:>6.3f} "
+                f"{run['final_artifact']:>8.3f} {run['train_seconds']:>8.1f} "
+                f"{'?' if pending else _cell(steps):>8} {'?' if pending else _cell(seconds, '{:.1f}'):>8}",
+                flush=True,
+            )
+            if name == BASELINE and seed == seeds[-1]:
+                entry = result["recipes"][BASELINE]
+                print(
+                    f"target: exact accuracy {result['target_accuracy']:.4f} (grpo's median final); grpo reaches it at "
+                    f"steps {entry['steps_to_target']}, seconds {entry['seconds_to_target']}",
+                    flush=True,
+                )
+    for name in order:
+        steps, seconds = result["steps_to_grpo_final"][name], result["seconds_to_grpo_final"][name]
+        ratio = result["seconds_ratio_to_grpo"][name]
+        print(f"{name}: median steps {_cell(steps)}, seconds {_cell(seconds, '{:.1f}')}, x grpo {_cell(ratio)}", flush=True)
+    if out_json is not None:
+        plot_trainers(result, out_json.with_suffix(".png"))
+    return result
+
+
+def plot_trainers(result: dict, path: str | Path) -> Path:
+    """Exact held-out accuracy vs training seconds: one colour per recipe, one thin line per seed, the target dashed."""
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)  # the Agg backend, without touching pyplot's global backend
+    ax = fig.add_subplot()
+    colours = colormaps["tab10"]
+    for i, (name, entry) in enumerate(result["recipes"].items()):
+        count = len(entry["seeds"])
+        for k, curve in enumerate(entry["curves"]):
+            seconds, exact = [p[1] for p in curve], [p[2] for p in curve]
+            label = f"{name} ({count} seed{'s' * (count > 1)})" if k == 0 else None
+            ax.plot(seconds, exact, color=colours(i % 10), linewidth=1.0, alpha=0.85, marker=".", markersize=3, label=label)
+    if result["target_accuracy"] is not None:
+        ax.axhline(
+            result["target_accuracy"],
+            color="black",
+            linestyle="--",
+            linewidth=1.0,
+            label=f"target {result['target_accuracy']:.3f}: GRPO median final",
+        )
+    ax.set_xlabel("training seconds (train_step only, evaluation excluded)")
+    ax.set_ylabel("held-out exact accuracy (toy_exact)")
+    ax.set_title("flowrl bench trainers: the toy Shapes world")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path

@@ -1,0 +1,285 @@
+"""DiffusionNFT: online RL on the forward process, as one recipe over the shared components. The math is in
+docs/math.md#diffusionnft, the recipe and its published settings in docs/recipes/nft.md.
+
+    flowrl train configs/toy/nft.yaml
+    accelerate launch scripts/train.py --config configs/sd3/nft_pickscore.yaml
+
+No log-probs, any sampler (ODE by default, CFG 1), only the clean endpoints x0 and the time grid are kept. Two
+LoRA adapters on one transformer, both starting at the reference (LoRA B = 0): "default" (θ, trained) and "old"
+(θ_old, the sampling policy, soft-updated toward θ after every step). One training step:
+
+    # 1. Prompts    the step's B prompts, G seeds each; this process's slice of the B*G samples
+    # 2. Rollout    the sampler with the "old" adapter -> x0 [N, ...] and the sampler's time grid
+    # 3. Score      every reward on the decoded images (a worker thread overlaps the next chunk)
+    # 4. Gather     scores of all processes -> [B*G] per reward
+    # 5. Balance    advantages per sample (balancer); failed samples dropped
+    # 6. Optimise   per inner epoch, minibatch, training time: x_t = (1 − t)·x0 + t·ε with a fresh ε, the
+    #               velocities of θ (grad), θ_old and the reference, the NFT loss; the optimizer step; EMA.
+    #               Then the soft update θ_old ← η·θ_old + (1 − η)·θ
+    # 7. Log/Eval   metrics.jsonl + trackers, eval every n steps, checkpoint every n steps
+
+Only stage 6 (and sampling with θ_old) is NFT's own; everything else is a component call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from flowrl import sde
+from flowrl import seeds as seed_formulas
+from flowrl.checkpoint import restore_training_state, save_training_state
+from flowrl.config import RunConfig, dump_config, to_dict
+from flowrl.distributed import make_accelerator
+from flowrl.evaluation import TrainingEvaluation
+from flowrl.losses import ADV_MODES, nft_loss
+from flowrl.models import build_policy
+from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
+from flowrl.prompts import GroupedPromptSampler, load_prompts
+from flowrl.registry import BALANCERS, SAMPLERS
+from flowrl.runs import RunFolder, train_loop
+from flowrl.scoring import Scorer, balance, build_rewards, rollout_and_score
+from flowrl.types import select_cond
+
+OLD = "old"  # the sampling policy's adapter name; the trained one is "default"
+DECAY_TYPES = (0, 1, 2)
+
+
+@dataclass
+class NFTConfig(OptimizerConfig):
+    nft_beta: float = 1.0
+    """β of the implicit policies v± (DiffusionNFT `config.beta`: 1.0 single reward, 0.1 OCR and multi-reward)."""
+    kl_coef: float = 1e-4
+    """Coefficient of mean((v_θ − v_ref)²), the reference being the adapters switched off (DiffusionNFT `train.beta`)."""
+    adv_clip_max: float = 5.0
+    """A_max: advantages are clipped to ±A_max and mapped to r = A / (2·A_max) + 1/2."""
+    adv_mode: str = "all"
+    """'all', 'positive_only', 'negative_only', 'one_only' (1[A > 0]) or 'binary' (sign A), applied before the map."""
+    timestep_fraction: float = 0.99
+    """Train on int(T·fraction) of the sampler's T grid times per sample (a random permutation per sample)."""
+    decay_type: int = 1
+    """Soft update of θ_old after each step, η_i at optimizer step i: 0 → η = 0 (copy); 1 → min(0.001·i, 0.5);
+    2 → 0 for i < 75, then min(0.0075·(i − 75), 0.999)."""
+    old_decay_max: float | None = None
+    """Cap η at this value instead of the decay type's own cap (DiffusionNFT's multi-reward OCR stage: 0.95)."""
+    num_inner_epochs: int = 1
+    num_minibatches: int = 1
+    """The step's local samples are split into this many minibatches."""
+    gradient_accumulation_steps: int = 1
+    """Minibatches per optimizer step (must divide num_minibatches); every training time of a minibatch accumulates."""
+    num_rollout_batches: int = 1
+    """Rollouts are generated in this many chunks; rewards of one chunk are scored while the next is sampled."""
+    use_async_rewards: bool = True
+    ema_every_n_steps: int = 1
+    """DiffusionNFT evaluates an EMA of θ updated after every optimizer step (decay 0.9)."""
+
+
+def old_policy_decay(decay_type: int, optimizer_steps: int, cap: float | None = None) -> float:
+    """η of the soft update θ_old ← η·θ_old + (1 − η)·θ after `optimizer_steps` optimizer steps (docs/math.md#diffusionnft)."""
+    i = optimizer_steps
+    if decay_type == 0:
+        return 0.0
+    if decay_type == 1:
+        return min(0.001 * i, 0.5 if cap is None else cap)
+    if decay_type == 2:
+        return 0.0 if i < 75 else min(0.0075 * (i - 75), 0.999 if cap is None else cap)
+    raise ValueError(f"train.decay_type={decay_type} must be one of {DECAY_TYPES}")
+
+
+def training_times(generators: list[torch.Generator], grid: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Per sample (one generator each), the grid indices trained on: the first int(T·fraction) of a random
+    permutation of the T grid times (sigmas[:-1], every time with σ > 0). Returns [N, K] int64."""
+    num_times = len(grid) - 1
+    k = int(num_times * fraction + 1e-6)
+    if k < 1:
+        raise ValueError(f"train.timestep_fraction={fraction} of a {num_times}-step grid trains no time; raise it")
+    return torch.stack([torch.randperm(num_times, generator=g)[:k] for g in generators])
+
+
+class NFTTrainer:
+    config_class = NFTConfig
+
+    def __init__(self, cfg: RunConfig, accelerator=None):
+        from accelerate.utils import set_seed
+
+        self.cfg, t = cfg, cfg.train
+        if t.num_minibatches % t.gradient_accumulation_steps:
+            raise ValueError(
+                f"train.gradient_accumulation_steps={t.gradient_accumulation_steps} must divide "
+                f"train.num_minibatches={t.num_minibatches}"
+            )
+        if t.adv_mode not in ADV_MODES:
+            raise ValueError(f"train.adv_mode={t.adv_mode!r} must be one of {', '.join(ADV_MODES)}")
+        old_policy_decay(t.decay_type, 0)  # validates decay_type
+        if t.nft_beta <= 0 or t.adv_clip_max <= 0:
+            raise ValueError(f"train.nft_beta={t.nft_beta} and train.adv_clip_max={t.adv_clip_max} must be > 0")
+        if not cfg.model.use_lora:
+            raise ValueError("trainer: nft needs model.use_lora=true (the sampling policy and the reference are adapters)")
+        self.accelerator = acc = accelerator or make_accelerator(cfg)
+        self.run = RunFolder(cfg.output_dir, cfg.name)
+        b, g = cfg.data.num_prompts_per_step, cfg.data.group_size
+        self.prompt_sampler = GroupedPromptSampler(
+            load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data"), b, g, cfg.seed
+        )
+        self.local_n = self.prompt_sampler.local_size(acc.num_processes)
+        if self.local_n % t.num_minibatches or self.local_n % t.num_rollout_batches:
+            raise ValueError(
+                f"the {self.local_n} samples per process do not split into train.num_minibatches="
+                f"{t.num_minibatches} and train.num_rollout_batches={t.num_rollout_batches}"
+            )
+        set_seed(cfg.seed)  # every process starts from the same adapter
+        self.model = build_policy(cfg.model, acc.device)
+        self.model.copy_adapter("default", OLD)  # θ_old = θ (= the reference while LoRA B = 0)
+        self.opt = OptimizerStep(acc, self.model.transformer, t, self.local_n // t.num_minibatches, cfg.model.mixed_precision)
+        self.old_params = self.model.adapter_parameters(OLD)  # after sharding: the live (possibly sharded) tensors
+        self.ema = EMA(self.opt.names, self.opt.params, t.ema_decay, t.ema_every_n_steps, t.ema_mode) if t.use_ema else None
+        self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
+        guidance = getattr(self.sampler, "guidance_scale", None)
+        guidance = self.model.default_guidance_scale if guidance is None else guidance
+        if guidance != 1.0:
+            raise ValueError(
+                f"trainer: nft collects data CFG-free and trains the conditional velocity: sampler.guidance_scale="
+                f"{guidance} must be 1.0 (set it explicitly; this family's default is {self.model.default_guidance_scale})"
+            )
+        self.rewards = build_rewards(cfg.rewards, acc.device)
+        self.weights = {r.name: r.weight for r in cfg.rewards}
+        self.scorer = Scorer(self.rewards, cfg.on_reward_error, t.use_async_rewards)
+        self.balancer = BALANCERS.get(cfg.balancer.name)(**cfg.balancer.kwargs)
+        self.evaluation = TrainingEvaluation(cfg, acc, self.run, self.model, self.rewards, self.opt, self.ema)
+        self.step = 0
+        self.counters = {"reward_errors": 0}
+
+    # ------------------------------------------------------------------------------------------ one step
+    def train_step(self) -> dict[str, float]:
+        t, acc, model = self.cfg.train, self.accelerator, self.model
+        started = time.perf_counter()
+
+        # 1. Prompts
+        batch = self.prompt_sampler.local_batch(self.step, acc.process_index, acc.num_processes)
+
+        # 2. Rollout with the sampling policy θ_old and 3. Score (overlapping the next chunk in a worker thread)
+        with model.using_adapter(OLD):
+            rollout, local, rollout_s = rollout_and_score(
+                self.sampler, model, batch, self.scorer, t.num_rollout_batches, self.step
+            )
+        x0 = rollout.latents[:, -1].to(acc.device)  # [N, *latent_shape]: the clean endpoints, all NFT keeps
+        sigmas, cond = rollout.sigmas.to(acc.device), rollout.cond  # [T+1]; rows [N]
+        del rollout
+
+        # 4. Gather and 5. Balance: advantages [N] of this process's samples, failed samples kept out
+        advantages, keep, metrics, errors = balance(acc, local, batch, self.balancer, self.weights)
+        self.counters["reward_errors"] += errors
+
+        # 6. Optimise, then the soft update of the sampling policy
+        tic = time.perf_counter()
+        draws = seed_formulas.sample_generators(batch.seeds, "cpu", seed_formulas.TRAIN_STREAM)  # a sample's t and ε
+        metrics.update(self._optimise(x0, sigmas, cond, advantages.to(acc.device), keep.to(acc.device), draws))
+        decay = old_policy_decay(t.decay_type, self.opt.optimizer_steps, t.old_decay_max)
+        model.soft_update_adapter(OLD, "default", decay)
+        optimise_s = time.perf_counter() - tic
+
+        # 7. Log
+        wall = time.perf_counter() - started
+        metrics.update(
+            {
+                "perf/step_s": wall,
+                "perf/rollout_s": rollout_s,
+                "perf/reward_s": local.seconds,
+                "perf/optimise_s": optimise_s,
+                "perf/samples_per_s": self.local_n * acc.num_processes / wall,
+                "train/reward_errors": float(errors),
+                "train/kept_samples": float(keep.sum()),
+                "train/old_decay": decay,
+            }
+        )
+        self.step += 1
+        return metrics
+
+    def _optimise(self, x0, sigmas, cond, advantages, keep, draws: list[torch.Generator]) -> dict[str, float]:
+        """The NFT loss at each sample's training times; the mean over the minibatch's kept samples, accumulated
+        over its times and `gradient_accumulation_steps` minibatches per optimizer step. A sample's training times
+        and noises come from its own generator (`draws`), so they do not depend on the batch or process count."""
+        t, acc, model = self.cfg.train, self.accelerator, self.model
+        n = self.local_n
+        gen = seed_formulas.step_generator(self.cfg.seed, self.step)
+        mb, accum = n // t.num_minibatches, t.gradient_accumulation_steps
+        stats: dict[str, list[torch.Tensor]] = {
+            k: [] for k in ("loss", "policy_loss", "kl", "r", "positive_loss", "negative_loss")
+        }
+        for _ in range(t.num_inner_epochs):
+            order = torch.randperm(n, generator=gen)
+            times = training_times(draws, sigmas, t.timestep_fraction)  # [N, K] grid indices
+            for m in range(t.num_minibatches):
+                if m % accum == 0:
+                    window = len(stats["loss"])  # this optimizer step's losses start here
+                rows = order[m * mb : (m + 1) * mb]
+                index = rows.to(acc.device)  # [b]
+                kept = max(int(keep[index].sum()), 1)
+                sub_cond = select_cond(cond, index)
+                for j in range(times.shape[1]):
+                    sigma = sigmas[times[rows, j].to(acc.device)]  # [b]
+                    noise = torch.stack([torch.randn(x0.shape[1:], generator=draws[i]) for i in rows.tolist()])
+                    noise = noise.to(acc.device)  # [b, ...] one fresh ε per (sample, t)
+                    x_t = sde.forward_noise(x0[index], noise, sigma)
+                    v_theta = model.velocity(x_t, sigma, sub_cond, 1.0)
+                    with torch.no_grad():
+                        with model.using_adapter(OLD):
+                            v_old = model.velocity(x_t, sigma, sub_cond, 1.0)
+                        v_ref = None
+                        if t.kl_coef > 0:
+                            with model.adapter_disabled():
+                                v_ref = model.velocity(x_t, sigma, sub_cond, 1.0)
+                    per_sample, s = nft_loss(
+                        v_theta,
+                        v_old,
+                        v_ref,
+                        x0[index],
+                        x_t,
+                        sigma,
+                        advantages[index],
+                        t.adv_clip_max,
+                        t.nft_beta,
+                        t.kl_coef,
+                        t.adv_mode,
+                    )
+                    loss = (per_sample * keep[index].float()).sum() / kept / (accum * times.shape[1])
+                    self.opt.backward(loss, boundary=j == times.shape[1] - 1 and (m + 1) % accum == 0)
+                    stats["loss"].append(per_sample.detach().mean())
+                    for key in ("policy_loss", "kl", "r", "positive_loss", "negative_loss"):
+                        stats[key].append(s[key].mean())
+                if (m + 1) % accum == 0 and self.opt.step(torch.stack(stats["loss"][window:])) and self.ema is not None:
+                    self.ema.update(self.opt.params, self.opt.optimizer_steps)
+        return {f"train/{k}": float(torch.stack(v).mean()) for k, v in stats.items()} | self.opt.metrics()
+
+    # ------------------------------------------------------------------------------------------ state
+    def save(self):
+        state = {"prompt_sampler_position": self.step * self.cfg.data.num_prompts_per_step, "counters": self.counters}
+        return save_training_state(
+            self.accelerator,
+            self.run.root,
+            self.step,
+            self.opt,
+            self.ema,
+            self.model,
+            state,
+            dump_config(self.cfg),
+            self.cfg.checkpoint.keep_last,
+            groups={"adapter_old": self.old_params},
+        )
+
+    def resume(self, path) -> None:
+        groups = {"adapter_old": self.old_params}
+        state = restore_training_state(path, self.accelerator, self.opt, self.ema, to_dict(self.cfg), groups)
+        self.step, self.counters = int(state["step"]), dict(state["counters"])
+        if self.accelerator.is_main_process:
+            self.run.forget_after(self.step)
+
+    def evaluate(self, step: int | None) -> dict | None:
+        """The fixed evaluation of θ (its EMA once an EMA update happened); None = the base model."""
+        return self.evaluation(step)
+
+    def train(self) -> dict:
+        """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""
+        return train_loop(self, "nft")

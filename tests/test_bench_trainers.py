@@ -1,0 +1,140 @@
+"""`flowrl bench trainers` (flowrl/race.py): the race's JSON shape and consistency, its plot, its medians rule, its CLI
+and its one-line errors, on the shipped toy model at tiny sizes (2 train steps, 1 held-out seed, 2 ODE steps)."""
+
+import json
+
+import pytest
+
+from flowrl import bench, cli, race
+from flowrl.race import first_reaching, median_if_most, race_result
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
+
+TINY = ["num_steps=2", "data.num_prompts_per_step=2", "data.group_size=2", "sampler.num_steps=3"]  # grpo's SDE window: 3
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ENTRY_KEYS = {
+    "config",
+    "seeds",
+    "final_accuracy",
+    "final_judge_accuracy",
+    "final_artifact",
+    "base_artifact",
+    "steps_to_target",
+    "seconds_to_target",
+    "train_seconds",
+    "curves",
+}
+
+
+def test_race_of_grpo_alone_writes_consistent_json_and_a_png(tmp_path):
+    out = tmp_path / "deep" / "race.json"
+    result = bench.bench_trainers(
+        recipes=["grpo"], seeds=[0], eval_every_n_steps=1, overrides=TINY, out_json=out, num_seeds=1, eval_num_steps=2
+    )
+    assert json.loads(out.read_text()) == result
+    assert {"target_accuracy", "recipes", "steps_to_grpo_final", "seconds_to_grpo_final", "seconds_ratio_to_grpo"} <= set(result)
+    assert result["overrides"] == TINY and {"cpu_count", "torch_threads", "torch_version"} <= set(result["host"])
+    entry = result["recipes"]["grpo"]
+    assert set(entry) == ENTRY_KEYS and entry["config"] == "configs/toy/grpo.yaml" and entry["seeds"] == [0]
+    (curve,) = entry["curves"]
+    assert [p[0] for p in curve] == [0, 1, 2]  # base, every step, the final step (not repeated)
+    assert curve[0][1] == 0.0 and all(a[1] < b[1] for a, b in zip(curve, curve[1:]))
+    assert entry["train_seconds"] == [curve[-1][1]]
+    assert entry["final_accuracy"] == [curve[-1][2]] and entry["final_judge_accuracy"] == [curve[-1][3]]
+    assert all(0 <= p[2] <= 1 and 0 <= p[3] <= 1 for p in curve)
+    assert result["target_accuracy"] == curve[-1][2]  # the median of one seed's final accuracy
+    first = next(p for p in curve if p[2] >= result["target_accuracy"])
+    assert entry["steps_to_target"] == [first[0]] and entry["seconds_to_target"] == [first[1]]
+    assert result["steps_to_grpo_final"] == {"grpo": first[0]} and result["seconds_to_grpo_final"] == {"grpo": first[1]}
+    assert result["seconds_ratio_to_grpo"] == {"grpo": 1.0 if first[1] > 0 else None}
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_runs_the_race_with_overrides_and_keeps_the_other_benches(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "cli.json"
+    argv = ["bench", "trainers", "--json", str(out), "--recipes", "grpo", "--seeds", "0", "--heldout-seeds", "1"]
+    assert cli.main([*argv, *TINY, "num_steps=1", "eval.num_steps=2"]) == 0
+    result = json.loads(out.read_text())
+    assert result["recipes"]["grpo"]["seeds"] == [0] and [p[0] for p in result["recipes"]["grpo"]["curves"][0]] == [0, 1]
+    assert result["overrides"][-2:] == ["num_steps=1", "eval.num_steps=2"] and result["settings"]["heldout_seeds"] == 1
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+    assert "grpo" in capsys.readouterr().out
+
+    calls = []
+    monkeypatch.setattr(bench, "bench_report", lambda repeats: calls.append(repeats) or {"ok": True})
+    assert cli.main(["bench", "report", "--json", str(tmp_path / "report.json"), "--repeats", "2"]) == 0
+    assert calls == [2] and json.loads((tmp_path / "report.json").read_text()) == {"ok": True}
+
+
+def one_line_error(argv: list[str], capsys) -> str:
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flowrl bench: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--recipes", "grpo,no_such_recipe"], ["'no_such_recipe'", "configs/toy/no_such_recipe.yaml", "grpo"]),
+        (["--recipes", "grpo,grpo"], ["twice"]),
+        (["--seeds", "0,x"], ["--seeds '0,x'", "--seeds 0,1,2"]),
+        (["--seeds", "0,0"], ["--seeds 0,0", "each once"]),
+        (["--eval-every", "0"], ["--eval-every '0'", ">= 1"]),
+        (["--heldout-seeds", "many"], ["--heldout-seeds 'many'"]),
+        (["no_such_key=1"], ["no_such_key"]),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_flag(tmp_path, capsys, extra, expected):
+    out = tmp_path / "bad.json"
+    err = one_line_error(["bench", "trainers", "--json", str(out), "--recipes", "grpo", *extra], capsys)
+    assert all(text in err for text in expected), err
+    assert not out.exists()
+
+
+def test_unknown_recipe_fails_before_any_run(tmp_path):
+    with pytest.raises(ValueError, match="'nope' has no configs/toy/nope.yaml; the recipes are grpo"):
+        bench.bench_trainers(recipes=["grpo", "nope"], out_json=tmp_path / "x.json")
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_recipes_default_to_every_toy_config_grpo_first_and_need_grpo(tmp_path, monkeypatch):
+    for stem in ("adjoint", "zeta", "grpo", "nft"):
+        (tmp_path / f"{stem}.yaml").write_text("")
+    (tmp_path / "notes.txt").write_text("")
+    monkeypatch.setattr(race, "TOY_CONFIGS", tmp_path)
+    assert race.recipe_order(None) == ["grpo", "adjoint", "nft", "zeta"]
+    assert race.recipe_order(["zeta", "grpo"]) == ["grpo", "zeta"]  # grpo runs first: it sets the target
+    with pytest.raises(ValueError, match="--recipes nft lacks grpo: .* --recipes grpo,nft"):
+        race.recipe_order(["nft"])
+    with pytest.raises(ValueError, match="--recipes is empty"):
+        race.recipe_order([])
+
+
+def test_medians_are_over_the_seeds_that_reached_and_null_below_half():
+    assert median_if_most([4, None, 2]) == 3 and median_if_most([4, None]) == 4
+    assert median_if_most([4, None, None]) is None and median_if_most([None]) is None
+    curve = [[0, 0.0, 0.1, 0.2], [5, 1.5, 0.3, 0.4], [10, 3.0, 0.25, 0.5]]
+    assert first_reaching(curve, 0.3) == (5, 1.5) and first_reaching(curve, 0.1) == (0, 0.0)
+    assert first_reaching(curve, 0.9) == (None, None) and first_reaching(curve, None) == (None, None)
+
+
+def test_race_result_target_medians_and_ratio_from_fabricated_runs():
+    def run(*points):  # points: (step, seconds, exact)
+        curve = [[s, t, a, a] for s, t, a in points]
+        return {"curve": curve, "final_judge_accuracy": 0.0, "final_artifact": 0.5, "base_artifact": 0.4, "train_seconds": 9}
+
+    grpo = {0: run((0, 0.0, 0.1), (10, 2.0, 0.5)), 1: run((0, 0.0, 0.1), (10, 4.0, 0.3)), 2: run((0, 0.0, 0.1), (10, 6.0, 0.6))}
+    nft = {0: run((0, 0.0, 0.1), (5, 1.0, 0.5)), 1: run((0, 0.0, 0.1), (5, 1.0, 0.2)), 2: run((0, 0.0, 0.1), (5, 0.5, 0.4))}
+    settings = {"seeds": [0, 1, 2]}
+    partial = race_result({"grpo": dict(list(grpo.items())[:2])}, [], settings, {})
+    assert partial["target_accuracy"] is None and partial["recipes"]["grpo"]["steps_to_target"] == [None, None]
+    result = race_result({"grpo": grpo, "nft": nft}, ["num_steps=10"], settings, {})
+    assert result["target_accuracy"] == 0.5
+    assert result["recipes"]["grpo"]["steps_to_target"] == [10, None, 10]
+    assert result["recipes"]["nft"]["seconds_to_target"] == [1.0, None, None]
+    assert result["steps_to_grpo_final"] == {"grpo": 10, "nft": None}  # nft: 1 of 3 seeds reached it
+    assert result["seconds_to_grpo_final"] == {"grpo": 4.0, "nft": None}
+    assert result["seconds_ratio_to_grpo"] == {"grpo": 1.0, "nft": None}
+    assert result["recipes"]["nft"]["base_artifact"] == 0.4 and result["overrides"] == ["num_steps=10"]

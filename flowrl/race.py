@@ -73,10 +73,10 @@ def median_if_most(values: list) -> float | None:
 
 
 def first_reaching(curve: list[list[float]], target: float | None) -> tuple[int | None, float | None]:
-    """(step, training seconds) of the first curve point [step, seconds, exact, judge] with exact >= target."""
+    """(step, training seconds) of the first curve point [step, seconds, exact, judge, artifact] with exact >= target."""
     if target is None:
         return None, None
-    for step, seconds, exact, _ in curve:
+    for step, seconds, exact, *_ in curve:
         if exact >= target:
             return int(step), seconds
     return None, None
@@ -109,7 +109,7 @@ def _run_recipe(recipe: str, seed: int, overrides: list[str], every: int | None,
             ):
                 model.transformer.eval()
                 scores = heldout_scores(model, num_seeds, steps, cfg.eval.guidance_scale, judge)
-            curve.append([step, round(seconds, 3), scores["exact_accuracy"], scores["judge_accuracy"]])
+            curve.append([step, round(seconds, 3), scores["exact_accuracy"], scores["judge_accuracy"], scores["artifact"]])
             return scores
 
         curve: list[list[float]] = []
@@ -155,6 +155,10 @@ def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings
             "base_artifact": next(iter(by_seed.values()))["base_artifact"],  # the base model: alike for every seed
             "steps_to_target": [steps for steps, _ in reached],
             "seconds_to_target": [seconds for _, seconds in reached],
+            "artifact_at_target": [
+                next((point[4] for point in run["curve"] if point[0] == steps), None) if steps is not None else None
+                for run, (steps, _) in zip(by_seed.values(), reached)
+            ],
             "train_seconds": [run["train_seconds"] for run in by_seed.values()],
             "curves": [run["curve"] for run in by_seed.values()],
         }
@@ -203,7 +207,7 @@ def bench_trainers(
     `eval_num_steps` ODE steps (default the config's eval.num_steps). `overrides` (dotlist) apply to every recipe.
 
     Per recipe: per seed the final accuracies and artifact score, the first measured step and training seconds at
-    or above the target (null if never), and the curves [[step, seconds, exact, judge], ...]. The medians
+    or above the target (null if never), and the curves [[step, seconds, exact, judge, artifact], ...]. The medians
     (`steps_to_grpo_final`, `seconds_to_grpo_final`, `seconds_ratio_to_grpo` = a recipe's median seconds over
     GRPO's) are over the seeds that reached the target, and null when fewer than half of the seeds reached it (the
     ratio also when GRPO's median seconds is 0: the base model already at the target). With `out_json`, the JSON is

@@ -23,6 +23,7 @@ ENTRY_KEYS = {
     "seconds_to_target",
     "train_seconds",
     "curves",
+    "artifact_at_target",
 }
 
 
@@ -41,6 +42,8 @@ def test_race_of_grpo_alone_writes_consistent_json_and_a_png(tmp_path):
     assert curve[0][1] == 0.0 and all(a[1] < b[1] for a, b in zip(curve, curve[1:]))
     assert entry["train_seconds"] == [curve[-1][1]]
     assert entry["final_accuracy"] == [curve[-1][2]] and entry["final_judge_accuracy"] == [curve[-1][3]]
+    assert entry["final_artifact"] == [curve[-1][4]]
+    assert entry["artifact_at_target"] == [next(p[4] for p in curve if p[0] == entry["steps_to_target"][0])]
     assert all(0 <= p[2] <= 1 and 0 <= p[3] <= 1 for p in curve)
     assert result["target_accuracy"] == curve[-1][2]  # the median of one seed's final accuracy
     first = next(p for p in curve if p[2] >= result["target_accuracy"])
@@ -122,7 +125,7 @@ def test_medians_are_over_the_seeds_that_reached_and_null_below_half():
 
 def test_race_result_target_medians_and_ratio_from_fabricated_runs():
     def run(*points):  # points: (step, seconds, exact)
-        curve = [[s, t, a, a] for s, t, a in points]
+        curve = [[s, t, a, a, 0.9 - s / 100] for s, t, a in points]
         return {"curve": curve, "final_judge_accuracy": 0.0, "final_artifact": 0.5, "base_artifact": 0.4, "train_seconds": 9}
 
     grpo = {0: run((0, 0.0, 0.1), (10, 2.0, 0.5)), 1: run((0, 0.0, 0.1), (10, 4.0, 0.3)), 2: run((0, 0.0, 0.1), (10, 6.0, 0.6))}
@@ -138,3 +141,4 @@ def test_race_result_target_medians_and_ratio_from_fabricated_runs():
     assert result["seconds_to_grpo_final"] == {"grpo": 4.0, "nft": None}
     assert result["seconds_ratio_to_grpo"] == {"grpo": 1.0, "nft": None}
     assert result["recipes"]["nft"]["base_artifact"] == 0.4 and result["overrides"] == ["num_steps=10"]
+    assert result["recipes"]["nft"]["artifact_at_target"] == [0.85, None, None]

@@ -127,6 +127,10 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
                 self._cache[prompt] = self.embed([prompt])[0]
         return torch.stack([self._cache[p] for p in prompts])  # [N, L, D]
 
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        """Whether `guidance_scale` means true classifier-free guidance (two branches): any scale above 1."""
+        return guidance_scale > 1.0
+
     def encode(self, prompts: list[str], negative_prompt: str = "", guidance_scale: float = 1.0) -> Cond:
         for prompt in prompts:  # "" is the unconditional (negative) prompt only: a blank prompt is refused as any other
             if not prompt.strip():

@@ -15,6 +15,7 @@ LoRA adapters on one transformer, both starting at the reference (LoRA B = 0): "
     # 5. Balance    advantages per sample (balancer); failed samples dropped
     # 6. Optimise   per inner epoch, minibatch, training time: x_t = (1 − t)·x0 + t·ε with a fresh ε, the
     #               velocities of θ (grad), θ_old and the reference, the NFT loss; the optimizer step; EMA.
+    #               (A distilled guidance embedding, FLUX.1-dev's, is used at the sampler's scale throughout.)
     #               Then the soft update θ_old ← η·θ_old + (1 − η)·θ
     # 7. Log/Eval   metrics.jsonl + trackers, eval every n steps, checkpoint every n steps
 
@@ -137,11 +138,11 @@ class NFTTrainer:
         self.ema = EMA(self.opt.names, self.opt.params, t.ema_decay, t.ema_every_n_steps, t.ema_mode) if t.use_ema else None
         self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
         guidance = getattr(self.sampler, "guidance_scale", None)
-        guidance = self.model.default_guidance_scale if guidance is None else guidance
-        if guidance != 1.0:
+        self.guidance = self.model.default_guidance_scale if guidance is None else guidance
+        if self.model.uses_cfg(self.guidance):
             raise ValueError(
                 f"trainer: nft collects data CFG-free and trains the conditional velocity: sampler.guidance_scale="
-                f"{guidance} must be 1.0 (set it explicitly; this family's default is {self.model.default_guidance_scale})"
+                f"{self.guidance} is classifier-free guidance for {self.model.family}; set it to 1.0"
             )
         self.rewards = build_rewards(cfg.rewards, acc.device)
         self.weights = {r.name: r.weight for r in cfg.rewards}
@@ -223,14 +224,14 @@ class NFTTrainer:
                     noise = torch.stack([torch.randn(x0.shape[1:], generator=draws[i]) for i in rows.tolist()])
                     noise = noise.to(acc.device)  # [b, ...] one fresh ε per (sample, t)
                     x_t = sde.forward_noise(x0[index], noise, sigma)
-                    v_theta = model.velocity(x_t, sigma, sub_cond, 1.0)
+                    v_theta = model.velocity(x_t, sigma, sub_cond, self.guidance)
                     with torch.no_grad():
                         with model.using_adapter(OLD):
-                            v_old = model.velocity(x_t, sigma, sub_cond, 1.0)
+                            v_old = model.velocity(x_t, sigma, sub_cond, self.guidance)
                         v_ref = None
                         if t.kl_coef > 0:
                             with model.adapter_disabled():
-                                v_ref = model.velocity(x_t, sigma, sub_cond, 1.0)
+                                v_ref = model.velocity(x_t, sigma, sub_cond, self.guidance)
                     per_sample, s = nft_loss(
                         v_theta,
                         v_old,

@@ -1,4 +1,4 @@
-"""Every shipped config loads; each real-model config runs one GRPO step on its family's tiny pipeline."""
+"""Every shipped config loads; each real-model config runs one step of its recipe on its family's tiny pipeline."""
 
 from pathlib import Path
 
@@ -6,8 +6,7 @@ import pytest
 import yaml
 
 from flowrl.rewards._tiny import TINY_REWARDS
-from flowrl.trainers import load_config
-from flowrl.trainers.grpo import GRPOTrainer
+from flowrl.trainers import build_trainer, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "accelerate" not in p.parts)
@@ -16,6 +15,8 @@ REAL = {
     "flux": "configs/flux/grpo_hpsv2.yaml",
     "sana": "configs/sana/grpo_imagereward.yaml",
     "wan": "configs/wan/grpo_video.yaml",
+    "sd3-nft": "configs/sd3/nft_pickscore.yaml",
+    "flux-nft": "configs/flux/nft_hpsv2.yaml",
 }
 
 
@@ -62,6 +63,7 @@ def tiny_reward_kwargs(spec: dict, folder: Path) -> dict:
 @pytest.mark.parametrize("family", list(REAL))
 def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, tmp_path):
     path = ROOT / REAL[family]
+    family = family.split("-")[0]
     data = yaml.safe_load(path.read_text())
     rewards = [tiny_reward_kwargs(spec, tmp_path / "rewards") for spec in data["rewards"]]
     frames = ["sampler.num_frames=5"] if family == "wan" else []
@@ -91,9 +93,10 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
             *frames,
         ],
     )
-    trainer = GRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     before = [p.detach().clone() for p in trainer.opt.params]
     metrics = trainer.train_step()
-    assert all(k in metrics for k in ("train/loss", "train/ratio_mean", f"reward/{cfg.rewards[0].name}/mean"))
+    own = "train/ratio_mean" if cfg.trainer == "grpo" else "train/positive_loss"
+    assert all(k in metrics for k in ("train/loss", own, f"reward/{cfg.rewards[0].name}/mean"))
     assert metrics["train/optimizer_steps"] == 2
     assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.opt.params))

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from dotted import set_dotted
+from safetensors.torch import load_file
 
 from flowrl.checkpoint import load_checkpoint
 from flowrl.trainers import TRAINERS, build_config, build_trainer
@@ -124,3 +125,9 @@ def test_resume_from_a_checkpoint_ends_bit_for_bit_where_the_run_ends(tmp_path, 
     for key in ("trainable", "ema", "optimizer", "lr_scheduler", "trainer_state"):
         assert_same(a[key], b[key], key)
     assert_same(a["trainable"], trainable(straight), "saved trainable")
+    # every tensor file, the recipe's own groups too (NFT: adapter_old.safetensors)
+    folders = [cfg.run_dir / "checkpoints" / "step_000002" for cfg in (straight_cfg, resumed_cfg)]
+    files = sorted(f.name for f in folders[0].glob("*.safetensors"))
+    assert files == sorted(f.name for f in folders[1].glob("*.safetensors"))
+    for name in files:
+        assert_same(load_file(str(folders[0] / name)), load_file(str(folders[1] / name)), name)

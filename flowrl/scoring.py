@@ -162,9 +162,12 @@ def rollout_and_score(sampler, model, batch, scorer: Scorer, num_chunks: int, st
 def balance(accelerator, local: Scores, batch, balancer, weights: dict[str, float]):
     """Stages 4-5 of a recipe: every process's scores gathered, advantages by the balancer (0 for failed samples).
 
-    Returns (this process's advantages [N], keep [N] = not failed, metrics, reward error count)."""
+    Returns (this process's advantages [N], keep [N] = not failed and kept by the balancer's mask, metrics,
+    reward error count)."""
     scores, failed, group_ids, errors = gather_scores(accelerator, local, batch.group_ids)
-    advantages, metrics = balancer(scores, group_ids, weights)  # [B*G]
-    advantages = torch.where(failed, torch.zeros_like(advantages), advantages)
+    out = balancer(scores, group_ids, weights)  # Balance over [B*G]
+    advantages = torch.where(failed, torch.zeros_like(out.advantages), out.advantages)
+    keep = ~failed & out.keep
+    metrics = dict(out.metrics)
     metrics.update(reward_metrics(scores, failed))
-    return advantages[batch.global_index], ~failed[batch.global_index], metrics, errors
+    return advantages[batch.global_index], keep[batch.global_index], metrics, errors

@@ -385,6 +385,7 @@ def sde_step(
     log_prob_mode: str = "gaussian",
     first_step_threshold: float = 1.0,
     noise: torch.Tensor | None = None,
+    std_scale: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One transition x_σ → x_σ' of a flow sampler, with the log-density of the Gaussian it draws from.
 
@@ -408,6 +409,8 @@ def sde_step(
         threshold on σ, not a substituted value: flow_grpo substitutes σ_1 for σ = 1 in g's denominator.
       noise: ξ [N, ...] to use instead of drawing it (samplers that draw per sample only where that sample's
         step is stochastic, so that a trajectory never depends on its batch-mates); ignored with prev_sample.
+      std_scale: a float or [N] multiplying the std of the draw and of the log-density, the mean unchanged
+        (tree split edges, drawn with λ·s_k around the step's own mean); None = 1.
 
     Returns (prev_sample [N, ...], log_prob [N], mean [N, ...], std [N]), float32 on x's device (a given
     prev_sample comes back as it was). Scalars (floats, 0-dim tensors) for sigma, sigma_next and noise_level
@@ -441,6 +444,8 @@ def sde_step(
 
     std, coefficient = _step_coefficients(sigma_t, sigma_next_t, kind, noise_t, first_step_threshold)
     std = _per_sample(std, num_samples, device)  # [N]
+    if std_scale is not None:
+        std = std * _per_sample(_as_float32(std_scale, "std_scale", num_samples, device), num_samples, device)
 
     sigma_b = _batch_view(sigma_t, x.ndim)
     step = _batch_view(sigma_next_t - sigma_t, x.ndim)  # Δ = σ' − σ < 0
@@ -553,10 +558,11 @@ class StepRule:
         if self.log_prob_mode == "cps_sq" and self.kind != "cps":
             raise ValueError(f"log_prob_mode='cps_sq' is flow_grpo's CPS quirk but kind={self.kind!r}: use 'gaussian'")
 
-    def step(self, v, x, sigma, sigma_next, noise_level, prev_sample=None, generator=None, noise=None):
+    def step(self, v, x, sigma, sigma_next, noise_level, prev_sample=None, generator=None, noise=None, std_scale=None):
         """sde_step under this rule (see sde_step for arguments and returns)."""
         options = {"log_prob_mode": self.log_prob_mode, "first_step_threshold": self.first_step_threshold}
-        return sde_step(v, x, sigma, sigma_next, self.kind, noise_level, prev_sample, generator, noise=noise, **options)
+        options.update(noise=noise, std_scale=std_scale)
+        return sde_step(v, x, sigma, sigma_next, self.kind, noise_level, prev_sample, generator, **options)
 
 
 def transition_stds(rule: StepRule, sigmas: torch.Tensor, noise_levels: torch.Tensor) -> torch.Tensor:
@@ -579,14 +585,16 @@ def rescore_transition(
     noise_level: torch.Tensor,
     v_ref: torch.Tensor | None = None,
     kl_form: str = "code",
+    std_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob [N] of stored transitions x -> x_next under velocity v, and the KL [N] to v_ref's Gaussian.
 
     The log-prob uses the rollout's own rule (so re-scoring with the rollout's weights gives the stored value
     exactly); the KL (None without v_ref) is `gaussian_kl` in `kl_form`, with the diffusion coefficient the
     kind defines: g² = s²/h for flow_grpo and dance (the code form divides by g², not s²), g = s for cps.
+    `std_scale` (None = 1) scales the std of both, as in sde_step (a tree's split edges).
     """
-    _, log_prob, mean, std = rule.step(v, x, sigma, sigma_next, noise_level, prev_sample=x_next)
+    _, log_prob, mean, std = rule.step(v, x, sigma, sigma_next, noise_level, prev_sample=x_next, std_scale=std_scale)
     if v_ref is None:
         return log_prob, None
     _, _, ref_mean, _ = rule.step(v_ref, x, sigma, sigma_next, noise_level, prev_sample=x_next)

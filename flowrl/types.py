@@ -90,6 +90,7 @@ class Rollout:
     noise_levels: torch.Tensor  # [N, T] float32 noise level used at each transition (0 = ODE step)
     rule: StepRule = field(default_factory=StepRule)  # how stochastic steps were drawn and scored
     transitions: torch.Tensor | None = None  # [M, 2] int64 (sample, step) pairs with std > 0; None = derive
+    std_scales: torch.Tensor | None = None  # [N, T] float32 multiplier of each transition's std (tree splits); None = 1
     guidance_scale: float = 1.0
     metadata: list[dict[str, Any]] = field(default_factory=list)  # [N]
     extras: dict[str, Any] = field(default_factory=dict)  # sampler-specific records (tree parents, previews...)
@@ -156,6 +157,9 @@ class Rollout:
             noise_levels=torch.cat([p.noise_levels for p in parts]),
             rule=first.rule,
             transitions=transitions,
+            std_scales=None
+            if all(p.std_scales is None for p in parts)
+            else torch.cat([p.std_scales if p.std_scales is not None else torch.ones_like(p.noise_levels) for p in parts]),
             guidance_scale=first.guidance_scale,
             metadata=[x for p in parts for x in p.metadata],
             extras=extras,

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from flowrl import sde
 from flowrl import seeds as seed_formulas
+from flowrl.advantages import FUSIONS, WIDTH_PRUNINGS, tree_edge_advantages
 from flowrl.checkpoint import restore_training_state, save_training_state
 from flowrl.config import RunConfig, dump_config, to_dict
 from flowrl.distributed import make_accelerator
@@ -41,6 +43,36 @@ from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.runs import RunFolder, train_loop
 from flowrl.scoring import Scorer, balance, build_rewards, rollout_and_score
 from flowrl.types import Rollout, select_cond
+
+
+@dataclass
+class TreeCreditConfig:
+    """Credit assignment of tree rollouts (sampler `tree`, docs/recipes/grpo.md#tree-rollouts); ignored otherwise."""
+
+    fusion: str = "mean"
+    """A node's value from its leaves: 'mean' (BranchGRPO's default) or 'path_probability' (children weighted by
+    softmax(fusion_temperature · edge log-prob))."""
+    fusion_temperature: float = 1.0
+    width_pruning: str = "none"
+    """Edges after the last split that train: 'none', 'per_branch' (the best width_pruning_ratio of each branch
+    of the last split) or 'best_worst' (the best and worst halves of width_pruning_ratio per tree)."""
+    width_pruning_ratio: float = 0.5
+    depth_pruning: list[int] = field(default_factory=list)
+    """Edges into these depths do not train (e.g. [15, 16, 17, 18] of 20 steps)."""
+    depth_pruning_slide_every_n_steps: int = 0
+    """> 0: the pruned depths move one level shallower every this many training steps, down to the stop depth."""
+    depth_pruning_stop_depth: int | None = None
+    """Shallowest pruned depth of the sliding window; None = the last split step."""
+    pruning_step_ratio: float = 1.0
+    """Prune during the first this fraction of `num_steps` training steps only."""
+
+    def __post_init__(self) -> None:
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"train.tree.fusion={self.fusion!r} must be one of {', '.join(FUSIONS)}")
+        if self.width_pruning not in WIDTH_PRUNINGS:
+            raise ValueError(f"train.tree.width_pruning={self.width_pruning!r} must be one of {', '.join(WIDTH_PRUNINGS)}")
+        if not 0 < self.width_pruning_ratio <= 1:
+            raise ValueError(f"train.tree.width_pruning_ratio={self.width_pruning_ratio} must be in (0, 1]")
 
 
 @dataclass
@@ -71,12 +103,39 @@ class GRPOConfig(OptimizerConfig):
     filter_zero_std: bool = False
     """Drop samples whose advantage is exactly 0 (a group with no reward spread) from the loss, which is then
     normalised by the kept samples (Flow-GRPO)."""
+    tree: TreeCreditConfig = field(default_factory=TreeCreditConfig)
+    """Reward fusion, depth-wise advantages and pruning of tree rollouts (keys train.tree.*)."""
 
 
-def trained_transitions(rollout: Rollout, fraction: float, shuffle: bool, generator: torch.Generator) -> list[list[int]]:
-    """Per sample, the steps to train on: its first `fraction` of stochastic transitions, or a random subset."""
-    table = rollout.transitions  # [M, 2] (sample, step), sample-major
-    steps: list[list[int]] = [[] for _ in range(len(rollout.prompts))]
+class Credit(NamedTuple):
+    """What stage 6 trains: an advantage per transition and the transitions themselves."""
+
+    advantages: torch.Tensor  # [N, T] float32, per (sample, step)
+    transitions: torch.Tensor  # [M, 2] int64 (sample, step) pairs to train
+    shared_by: torch.Tensor  # [N] int64: rows with one id share their transitions' weight (a tree's leaves)
+
+
+def transition_advantages(rollout: Rollout, advantages: torch.Tensor, keep: torch.Tensor, cfg: GRPOConfig, step: int, num_steps: int) -> Credit:
+    """Per-transition advantages: a tree rollout's depth-wise edge advantages (its leaves' advantages fused up the
+    tree, docs/recipes/grpo.md#tree-rollouts) on its unpruned edges; any other rollout's per-sample advantages on
+    every transition of its table."""
+    n = len(rollout.prompts)
+    if "tree_nodes" not in rollout.extras:
+        return Credit(advantages[:, None].expand(-1, rollout.num_steps), rollout.transitions, torch.arange(n))
+    leaf_values = torch.where(keep, advantages, torch.full_like(advantages, float("nan")))  # dropped leaves: no value
+    prune = step < int(num_steps * cfg.tree.pruning_step_ratio)
+    options = {k: v for k, v in asdict(cfg.tree).items() if k != "pruning_step_ratio"}
+    extras = rollout.extras
+    edge_advantages, train = tree_edge_advantages(
+        extras["tree_nodes"], rollout.group_ids, leaf_values, rollout.log_probs, rollout.transitions, extras["split_steps"],
+        prune=prune, step=step, **options,
+    )  # fmt: skip
+    return Credit(edge_advantages.to(advantages.device), rollout.transitions[train], rollout.group_ids.cpu().to(torch.int64))
+
+
+def trained_transitions(table: torch.Tensor, num_samples: int, fraction: float, shuffle: bool, generator: torch.Generator) -> list[list[int]]:
+    """Per sample, the steps to train on: its first `fraction` of the table's transitions, or a random subset."""
+    steps: list[list[int]] = [[] for _ in range(num_samples)]  # table [M, 2] (sample, step), sample-major
     for i, k in table.tolist():
         steps[i].append(k)
     out = []
@@ -87,6 +146,16 @@ def trained_transitions(rollout: Rollout, fraction: float, shuffle: bool, genera
     if not any(out):
         raise ValueError("the rollout has no stochastic transitions (std > 0): set sampler.noise_level > 0")
     return out
+
+
+def shared_counts(steps: list[list[int]], shared_by: torch.Tensor) -> torch.Tensor:
+    """[N] the transition count each row's transitions are averaged by: its own, or the mean over the rows that
+    share its id (a tree's leaves share its edges, so that every edge of a tree weighs the same)."""
+    lengths = torch.tensor([len(s) for s in steps], dtype=torch.float32)  # [N]
+    _, unit = torch.unique(shared_by, return_inverse=True)
+    total = torch.zeros(int(unit.max()) + 1).index_add_(0, unit, lengths)
+    rows = torch.zeros(int(unit.max()) + 1).index_add_(0, unit, torch.ones_like(lengths))
+    return (total / rows)[unit]
 
 
 class GRPOTrainer:
@@ -107,9 +176,11 @@ class GRPOTrainer:
             raise ValueError("train.kl_coef > 0 needs model.use_lora=true (the reference is the adapter switched off)")
         self.accelerator = acc = accelerator or make_accelerator(cfg)
         self.run = RunFolder(cfg.output_dir, cfg.name)
+        self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
         b, g = cfg.data.num_prompts_per_step, cfg.data.group_size
+        whole = getattr(self.sampler, "whole_groups", False)  # tree rollouts keep a group on one process
         self.prompt_sampler = GroupedPromptSampler(
-            load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data"), b, g, cfg.seed
+            load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data"), b, g, cfg.seed, whole
         )
         self.local_n = self.prompt_sampler.local_size(acc.num_processes)
         if self.local_n % t.num_minibatches or self.local_n % t.num_rollout_batches:
@@ -128,7 +199,6 @@ class GRPOTrainer:
         self.model = build_policy(cfg.model, acc.device)
         self.opt = OptimizerStep(acc, self.model.transformer, t, self.local_n // t.num_minibatches, cfg.model.mixed_precision)
         self.ema = EMA(self.opt.names, self.opt.params, t.ema_decay, t.ema_every_n_steps, t.ema_mode) if t.use_ema else None
-        self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
         self.rewards = build_rewards(cfg.rewards, acc.device)
         self.weights = {r.name: r.weight for r in cfg.rewards}
         self.scorer = Scorer(self.rewards, cfg.on_reward_error, t.use_async_rewards)
@@ -177,11 +247,14 @@ class GRPOTrainer:
 
     def _optimise(self, rollout: Rollout, advantages: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
         """Clipped ratio loss (+ β KL) over each sample's trained transitions; every sample weighs 1 / (its
-        transition count) within the minibatch's kept samples, averaged over the accumulated minibatches."""
+        transition count) within the minibatch's kept samples, averaged over the accumulated minibatches. The
+        leaves of a tree share its edges: each edge of a tree weighs 1 / (the tree's mean edge count per leaf)."""
         t, acc, model = self.cfg.train, self.accelerator, self.model
         n = self.local_n
         gen = seed_formulas.step_generator(self.cfg.seed, self.step)
-        steps = trained_transitions(rollout, t.timestep_fraction, t.shuffle_timesteps, gen)
+        credit = transition_advantages(rollout, advantages, keep, t, self.step, self.cfg.num_steps)
+        steps = trained_transitions(credit.transitions, n, t.timestep_fraction, t.shuffle_timesteps, gen)
+        counts = shared_counts(steps, credit.shared_by).to(acc.device)  # [N]
         if self.opt.sharding.kind is not None and len({len(s) for s in steps}) > 1:
             raise ValueError(
                 "samples with different numbers of trained transitions cannot train under FSDP2 / ZeRO-2 "
@@ -197,23 +270,27 @@ class GRPOTrainer:
                     window = len(stats["loss"])  # this optimizer step's losses start here
                 rows = order[m * mb : (m + 1) * mb].tolist()
                 kept = max(int(keep[rows].sum()), 1)
-                depth = max(len(steps[i]) for i in rows)
+                depth = max((len(steps[i]) for i in rows), default=0)  # a tree row may own no trained edge
                 for j in range(depth):
                     sel = [i for i in rows if len(steps[i]) > j]
                     index = torch.tensor(sel, device=acc.device)  # [b]
                     k = torch.tensor([steps[i][j] for i in sel], device=acc.device)  # [b] transition per sample
-                    weight = keep[index].float() / torch.tensor([len(steps[i]) for i in sel], device=acc.device)  # [b]
+                    weight = keep[index].float() / counts[index]  # [b]
                     cond = select_cond(rollout.cond, index)
                     x, x_next = rollout.latents[index, k], rollout.latents[index, k + 1]  # [b, ...]
                     sigma, sigma_next, level = sigmas[k], sigmas[k + 1], rollout.noise_levels[index, k]  # [b]
+                    scale = rollout.std_scales[index, k] if rollout.std_scales is not None else None  # [b] tree splits
                     v = model.velocity(x, sigma, cond, rollout.guidance_scale)
                     v_ref = None
                     if t.kl_coef > 0:
                         with torch.no_grad(), model.adapter_disabled():
                             v_ref = model.velocity(x, sigma, cond, rollout.guidance_scale)
-                    log_prob, kl = sde.rescore_transition(rollout.rule, v, x, x_next, sigma, sigma_next, level, v_ref, t.kl_form)
+                    log_prob, kl = sde.rescore_transition(
+                        rollout.rule, v, x, x_next, sigma, sigma_next, level, v_ref, t.kl_form, scale
+                    )
                     kl = kl if kl is not None else torch.zeros_like(log_prob)
-                    policy_loss, s = clipped_policy_loss(log_prob, rollout.log_probs[index, k], advantages[index], t.clip_range)
+                    old = rollout.log_probs[index, k]
+                    policy_loss, s = clipped_policy_loss(log_prob, old, credit.advantages[index, k], t.clip_range)
                     per_sample = policy_loss + t.kl_coef * kl  # [b]
                     loss = (per_sample * weight).sum() / kept / accum
                     self.opt.backward(loss, boundary=j == depth - 1 and (m + 1) % accum == 0)
@@ -223,7 +300,8 @@ class GRPOTrainer:
                     for key in ("ratio", "approx_kl"):
                         stats[key].append(s[key])
                     stats["clipped"].append(s["clipped"].float())
-                if (m + 1) % accum == 0 and self.opt.step(torch.stack(stats["loss"][window:])) and self.ema is not None:
+                losses = stats["loss"][window:] or [torch.zeros((), device=acc.device)]
+                if (m + 1) % accum == 0 and self.opt.step(torch.stack(losses)) and self.ema is not None:
                     self.ema.update(self.opt.params, self.opt.optimizer_steps)
         ratio = torch.cat(stats["ratio"])
         return {

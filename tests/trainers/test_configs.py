@@ -17,6 +17,8 @@ REAL = {
     "wan": "configs/wan/grpo_video.yaml",
     "sd3-nft": "configs/sd3/nft_pickscore.yaml",
     "flux-nft": "configs/flux/nft_hpsv2.yaml",
+    "flux-branchgrpo": "configs/flux/branchgrpo_hpsv2.yaml",
+    "wan-branchgrpo": "configs/wan/branchgrpo_video.yaml",
 }
 
 
@@ -69,6 +71,8 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
     frames = ["sampler.num_frames=5"] if family == "wan" else []
     if "sde_window_size" in data["sampler"]:  # keep the window inside the shortened trajectory
         frames += ["sampler.sde_window_size=1", "sampler.sde_window_range=[0, 2]"]
+    if "split_steps" in data["sampler"]:  # a tree of group_size = 2 leaves inside the 3 steps
+        frames += ["sampler.split_steps=[0]", "sampler.branching=2"]
     size = 16 if family == "wan" else 32
     cfg = load_config(
         path,

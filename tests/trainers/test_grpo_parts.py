@@ -82,10 +82,11 @@ def test_clipped_loss_gradient_is_zero_when_clipped():
 
 def test_weighted_sum_balancer_sums_then_normalises():
     scores = {"a": torch.tensor([1.0, 2.0, 3.0, 4.0]), "b": torch.tensor([0.0, 0.0, float("nan"), 2.0])}
-    adv, metrics = WeightedSumBalancer(std="group", eps=0.0)(scores, torch.tensor([0, 0, 1, 1]), {"a": 1.0, "b": 0.5})
+    out = WeightedSumBalancer(std="group", eps=0.0)(scores, torch.tensor([0, 0, 1, 1]), {"a": 1.0, "b": 0.5})
     # totals: [1, 2, 3, 5]; groups {1,2} and {3,5}: A = [-1, 1, -1, 1]
-    torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, -1.0, 1.0]))
-    assert metrics["reward/total/mean"] == pytest.approx(2.75)
+    torch.testing.assert_close(out.advantages, torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+    assert out.keep.all() and out.per_reward is None
+    assert out.metrics["reward/total/mean"] == pytest.approx(2.75)
 
 
 def test_prompt_sampler_groups_span_processes_and_agree():

@@ -1,0 +1,200 @@
+"""The tree sampler (samplers/tree.py, BranchGRPO) on the shipped toy model: its forward count, shared prefixes, exact
+edge log-probs, chunking, and GRPO training on its edges."""
+
+import math
+
+import pytest
+import torch
+
+from flowrl.models import load_flow_model
+from flowrl.registry import SAMPLERS
+from flowrl.trainers import build_config
+from flowrl.trainers.grpo import GRPOTrainer, transition_advantages
+from flowrl.types import PromptBatch
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
+
+PROMPTS = ["two red circles", "one blue square", "three green triangles"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_flow_model("toy")
+
+
+def tree(**kw):
+    options = dict(num_steps=4, split_steps=(0, 2), branching=2, kind="dance", noise_level=0.5, split_noise_scale=3.0)
+    return SAMPLERS.get("tree")(**{**options, **kw})
+
+
+def batch(num_trees=1, leaves=4, seed=3):
+    n = num_trees * leaves
+    groups = torch.arange(num_trees).repeat_interleave(leaves)
+    return PromptBatch([PROMPTS[int(g) % 3] for g in groups], groups, seeds=torch.arange(n) + seed * 100)
+
+
+def test_branchgrpo_tree_has_16_leaves_and_costs_203_forwards(model):
+    """ALGORITHMS §11 item 10: splits {0, 3, 6, 9}, T = 20, b = 2; the sampler counts the nodes it ran."""
+    sampler = tree(num_steps=20, split_steps=(0, 3, 6, 9), noise_level=0.3, split_noise_scale=4.0, decode=False)
+    assert sampler.num_leaves == 16
+    r = sampler(model, batch(1, 16))
+    assert r.latents.shape[:2] == (16, 21) and r.extras["num_trees"] == 1
+    assert r.extras["num_forwards"] == 203
+    assert r.extras["nodes_per_step"] == (1, 2, 2, 2, 4, 4, 4, 8, 8, 8) + (16,) * 10
+    # every stochastic edge once: all edges of steps 0..18 (the last step is Euler), Σ_k nodes(k + 1) = 202
+    assert len(r.transitions) == 202 and len({tuple(e) for e in r.transitions.tolist()}) == 202
+    assert len({tuple(row.flatten()[:8].tolist()) for row in r.latents[:, -1]}) == 16  # 16 distinct leaves
+
+
+def test_siblings_share_their_prefix_exactly_and_own_each_edge_once(model):
+    r = tree()(model, batch(2))
+    paths = r.extras["tree_nodes"]  # [N, T+1]
+    for a in range(8):
+        for b in range(8):
+            if r.group_ids[a] != r.group_ids[b]:
+                continue
+            shared = int((paths[a] == paths[b]).sum())  # depths 0 .. shared-1 are common nodes
+            assert torch.equal(r.latents[a, :shared], r.latents[b, :shared])
+            if a != b:
+                assert shared in (1, 3) and not torch.equal(r.latents[a, shared], r.latents[b, shared])
+    # edges: 2 + 2 + 4 = 8 per tree over steps 0..2, each in the row of the first leaf below its child
+    table = {tuple(e) for e in r.transitions.tolist()}
+    assert table == {(t * 4 + i, k) for t in (0, 1) for i, k in [(0, 0), (2, 0), (0, 1), (2, 1), (0, 2), (1, 2), (2, 2), (3, 2)]}
+    assert r.std_scales[0, 0] == 3.0 and r.std_scales[0, 2] == 3.0 and r.std_scales[0, 1] == 1.0
+
+
+def dance_log_density(model, r, row, k, std_scale):
+    """The per-element mean Gaussian log-density of edge (row, k), written here (DanceGRPO's step), not with flowrl.sde."""
+    sigma, sigma_next = float(r.sigmas[k]), float(r.sigmas[k + 1])
+    x = r.latents[row : row + 1, k]
+    cond = {key: value[row : row + 1] for key, value in r.cond.items()}
+    with torch.no_grad():
+        v = model.velocity(x, sigma, cond, r.guidance_scale)
+    eta, d_sigma = 0.5, sigma_next - sigma
+    x0 = x - sigma * v
+    score = -(x - (1 - sigma) * x0) / sigma**2
+    mean = x + d_sigma * v - 0.5 * eta**2 * score * d_sigma
+    std = std_scale * eta * math.sqrt(-d_sigma)
+    return torch.distributions.Normal(mean, std).log_prob(r.latents[row : row + 1, k + 1]).mean()
+
+
+@pytest.mark.parametrize("mode", ["scaled", "unscaled"])
+def test_edge_log_probs_are_the_gaussian_density_of_split_and_chain_edges(model, mode):
+    r = tree(split_log_prob=mode)(model, batch())
+    for row, k in r.transitions.tolist():
+        split = k in (0, 2)
+        scale = 3.0 if split and mode == "scaled" else 1.0
+        expected = dance_log_density(model, r, row, k, scale)
+        torch.testing.assert_close(r.log_probs[row, k], expected, rtol=1e-5, atol=1e-5)
+    if mode == "scaled":  # the children really were drawn with 3·s_k: their spread around the mean is 3x a chain's
+        assert r.std_scales[r.transitions[:, 0], r.transitions[:, 1]].tolist().count(3.0) == 6
+    else:
+        assert r.std_scales is None
+
+
+def test_a_tree_rollout_is_identical_whatever_the_chunking(model):
+    whole = tree()(model, batch(2))
+    for size in (1, 3):
+        chunked = tree(max_forward_batch=size)(model, batch(2))
+        assert chunked.extras["forward_calls"] > whole.extras["forward_calls"]
+        for field in ("latents", "log_probs", "noise_levels", "images", "transitions"):
+            assert torch.equal(getattr(whole, field), getattr(chunked, field)), (size, field)
+
+
+def test_mix_mode_is_sde_in_the_window_and_at_splits_and_euler_elsewhere(model):
+    sampler = tree(num_steps=8, split_steps=(0, 5), use_mix=True, mix_window_size=2, mix_window_stride=4)
+    assert sampler.step_noise_levels() == [0.5, 0.5, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0]  # k mod 4 < 2, split 5, last Euler
+    r = sampler(model, batch())
+    assert sorted(set(r.transitions[:, 1].tolist())) == [0, 1, 4, 5]
+    assert r.extras["num_forwards"] == 1 + 2 * 5 + 4 * 2  # every node still takes its forward
+    # window 0: only the split is stochastic, an Euler prefix and suffix (Flow-GRPO-Fast's single branching point)
+    fast = tree(num_steps=6, split_steps=(2,), branching=4, use_mix=True, mix_window_size=0)
+    assert fast.step_noise_levels() == [0.0, 0.0, 0.5, 0.0, 0.0, 0.0]
+    r = fast(model, batch())
+    assert r.transitions[:, 1].tolist() == [2, 2, 2, 2] and r.transitions[:, 0].tolist() == [0, 1, 2, 3]
+    assert all(torch.equal(r.latents[0, :3], r.latents[i, :3]) for i in range(4))
+
+
+def test_a_split_group_is_refused(model):
+    b = batch(1, 4)
+    with pytest.raises(ValueError, match="group 0 has 3 samples in this batch but its tree has 4 leaves"):
+        tree()(model, b.select([0, 1, 2]))
+    with pytest.raises(ValueError, match="split_steps"):
+        tree(split_steps=(3,))  # the last step cannot split
+    with pytest.raises(ValueError, match="branching"):
+        tree(branching=[2])  # one factor for two split steps
+
+
+def set_dotted(data, overrides):
+    for key, value in overrides.items():
+        *path, last = key.split(".")
+        node = data
+        for k in path:
+            node = node.setdefault(k, {})
+        node[last] = value
+
+
+def toy_tree_config(tmp_path, **overrides):
+    data = {
+        "name": "tree",
+        "output_dir": str(tmp_path / "runs"),
+        "device": "cpu",
+        "num_steps": 2,
+        "seed": 3,
+        "model": {"path": "toy", "lora_rank": 4, "lora_alpha": 4},
+        "data": {"prompts": PROMPTS[:2], "num_prompts_per_step": 2, "group_size": 4},
+        "sampler": {"name": "tree", "num_steps": 3, "guidance_scale": 1.0, "kind": "dance", "noise_level": 0.6,
+                    "split_steps": [0, 1], "branching": 2, "split_noise_scale": 2.0},  # fmt: skip
+        "rewards": [{"name": "toy_attributes"}],
+        "balancer": {"name": "weighted_sum", "std": "group"},
+        "train": {"learning_rate": 0.0, "clip_range": 1e-2, "use_async_rewards": False, "use_ema": False,
+                  "max_grad_norm": 1e9, "num_minibatches": 2},  # fmt: skip
+        "eval": {"num_steps": 1, "seeds": [0], "num_prompts": 1, "prompts": PROMPTS[:1]},
+        "logging": {"trackers": [], "progress_bar": False},
+    }
+    set_dotted(data, overrides)
+    return build_config(data)
+
+
+def randomize_adapter(trainer):
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for name, p in trainer.model.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_on_policy_ratio_of_every_edge_is_exactly_one(tmp_path, precision):
+    trainer = GRPOTrainer(toy_tree_config(tmp_path, **{"model.mixed_precision": precision, "train.kl_coef": 0.1}))
+    randomize_adapter(trainer)
+    seen = {}
+    original = trainer._optimise
+
+    def optimise(rollout, advantages, keep):
+        seen["credit"] = transition_advantages(rollout, advantages, keep, trainer.cfg.train, trainer.step, 2)
+        return original(rollout, advantages, keep)
+
+    trainer._optimise = optimise
+    metrics = trainer.train_step()
+    assert metrics["train/ratio_min"] == 1.0 and metrics["train/ratio_max"] == 1.0, metrics
+    assert metrics["train/approx_kl"] == 0.0
+    credit = seen["credit"]
+    assert len(credit.transitions) == 2 * (2 + 4)  # two trees, edges of steps 0 and 1 (step 2 is Euler)
+    assert credit.advantages.abs().sum() > 0  # depth-wise advantages carry signal
+
+
+def test_a_grpo_step_on_tree_edges_moves_the_weights_and_resumes_identically(tmp_path):
+    cfg = toy_tree_config(tmp_path / "a", **{"train.learning_rate": 1e-2, "checkpoint.every_n_steps": 1})
+    straight = GRPOTrainer(cfg)
+    before = [p.detach().clone() for p in straight.opt.params]
+    straight.train()
+    assert any(not torch.equal(a, b) for a, b in zip(before, straight.opt.params))
+    # interrupted after step 1, resumed for step 2
+    GRPOTrainer(toy_tree_config(tmp_path / "b", **{"train.learning_rate": 1e-2, "num_steps": 1})).train()
+    resumed = GRPOTrainer(
+        toy_tree_config(tmp_path / "b", **{"train.learning_rate": 1e-2, "checkpoint.resume": "latest", "checkpoint.every_n_steps": 1})
+    )
+    resumed.train()
+    for a, b in zip(straight.opt.params, resumed.opt.params):
+        assert torch.equal(a, b)

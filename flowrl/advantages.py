@@ -323,6 +323,8 @@ def tree_edge_advantages(
         else:
             groups = tree[child]
         survivors = keep.nonzero().flatten()
-        kept = width_prune(node_advantages[child[survivors]], steps[survivors], groups[survivors], last_split, width_pruning, width_pruning_ratio)
+        kept = width_prune(
+            node_advantages[child[survivors]], steps[survivors], groups[survivors], last_split, width_pruning, width_pruning_ratio
+        )
         keep[survivors[~kept]] = False
     return advantages, keep

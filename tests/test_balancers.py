@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flowrl.advantages import tail_advantages
+from flowrl.advantages import group_advantages, tail_advantages
 from flowrl.balancers import Balance, GD2POBalancer, GDPOBalancer, SAMRPOBalancer, TailBalancer, WeightedSumBalancer
 from flowrl.registry import BALANCERS
 from flowrl.scoring import Scores, balance
@@ -179,12 +179,14 @@ def test_tail_advantage_follows_the_gradient_of_the_expected_log_tail_probabilit
     (exact,) = torch.autograd.grad(objective, logits)
 
     gen = torch.Generator().manual_seed(0)
-    num_groups, group_size = 4000, 128
+    num_groups, group_size = 2000, 128
     actions = torch.multinomial(p_bar, num_groups * group_size, replacement=True, generator=gen)
     advantages = tail_advantages(values[actions], torch.arange(num_groups).repeat_interleave(group_size))
     score = torch.nn.functional.one_hot(actions, 4).float() - p_bar  # ∇_θ log softmax(θ)[a]
     estimate = (advantages[:, None] * score).mean(0)
-    torch.testing.assert_close(estimate, exact, atol=0.01, rtol=0.03)
+    torch.testing.assert_close(estimate, exact, atol=4e-3, rtol=0)  # seeds 0-9 land within 2e-3
+    zscore = group_advantages(values[actions], torch.arange(num_groups).repeat_interleave(group_size), std="group")
+    assert (zscore[:, None] * score).mean(0).sub(exact).abs().max() > 0.1  # the check tells objectives apart
 
 
 def test_tail_balancer_uses_the_weighted_sum():

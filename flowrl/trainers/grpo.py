@@ -115,7 +115,9 @@ class Credit(NamedTuple):
     shared_by: torch.Tensor  # [N] int64: rows with one id share their transitions' weight (a tree's leaves)
 
 
-def transition_advantages(rollout: Rollout, advantages: torch.Tensor, keep: torch.Tensor, cfg: GRPOConfig, step: int, num_steps: int) -> Credit:
+def transition_advantages(
+    rollout: Rollout, advantages: torch.Tensor, keep: torch.Tensor, cfg: GRPOConfig, step: int, num_steps: int
+) -> Credit:
     """Per-transition advantages: a tree rollout's depth-wise edge advantages (its leaves' advantages fused up the
     tree, docs/recipes/grpo.md#tree-rollouts) on its unpruned edges; any other rollout's per-sample advantages on
     every transition of its table."""
@@ -127,13 +129,22 @@ def transition_advantages(rollout: Rollout, advantages: torch.Tensor, keep: torc
     options = {k: v for k, v in asdict(cfg.tree).items() if k != "pruning_step_ratio"}
     extras = rollout.extras
     edge_advantages, train = tree_edge_advantages(
-        extras["tree_nodes"], rollout.group_ids, leaf_values, rollout.log_probs, rollout.transitions, extras["split_steps"],
-        prune=prune, step=step, **options,
-    )  # fmt: skip
+        extras["tree_nodes"],
+        rollout.group_ids,
+        leaf_values,
+        rollout.log_probs,
+        rollout.transitions,
+        extras["split_steps"],
+        prune=prune,
+        step=step,
+        **options,
+    )
     return Credit(edge_advantages.to(advantages.device), rollout.transitions[train], rollout.group_ids.cpu().to(torch.int64))
 
 
-def trained_transitions(table: torch.Tensor, num_samples: int, fraction: float, shuffle: bool, generator: torch.Generator) -> list[list[int]]:
+def trained_transitions(
+    table: torch.Tensor, num_samples: int, fraction: float, shuffle: bool, generator: torch.Generator
+) -> list[list[int]]:
     """Per sample, the steps to train on: its first `fraction` of the table's transitions, or a random subset."""
     steps: list[list[int]] = [[] for _ in range(num_samples)]  # table [M, 2] (sample, step), sample-major
     for i, k in table.tolist():

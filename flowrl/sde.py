@@ -242,9 +242,8 @@ def noise_from_velocity(x: torch.Tensor, v: torch.Tensor, sigma: float | torch.T
 
 def forward_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: float | torch.Tensor) -> torch.Tensor:
     """The forward process `x_σ = (1 − σ)·x0 + σ·ε` (float32); `sigma` a float or per-sample [N] (DiffusionNFT)."""
-    x0, noise = x0.float(), noise.float()
     sigma = _batch_view(_as_float32(sigma, "sigma", x0.shape[0], x0.device), x0.ndim)
-    return (1 - sigma) * x0 + sigma * noise
+    return (1 - sigma) * x0.float() + sigma * noise.float()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -409,8 +408,7 @@ def sde_step(
         threshold on σ, not a substituted value: flow_grpo substitutes σ_1 for σ = 1 in g's denominator.
       noise: ξ [N, ...] to use instead of drawing it (samplers that draw per sample only where that sample's
         step is stochastic, so that a trajectory never depends on its batch-mates); ignored with prev_sample.
-      std_scale: a float or [N] multiplying the std of the draw and of the log-density, the mean unchanged
-        (tree split edges, drawn with λ·s_k around the step's own mean); None = 1.
+      std_scale: a float or [N] scaling the std of the draw and the log-density, mean unchanged (tree splits).
 
     Returns (prev_sample [N, ...], log_prob [N], mean [N, ...], std [N]), float32 on x's device (a given
     prev_sample comes back as it was). Scalars (floats, 0-dim tensors) for sigma, sigma_next and noise_level
@@ -560,9 +558,8 @@ class StepRule:
 
     def step(self, v, x, sigma, sigma_next, noise_level, prev_sample=None, generator=None, noise=None, std_scale=None):
         """sde_step under this rule (see sde_step for arguments and returns)."""
-        options = {"log_prob_mode": self.log_prob_mode, "first_step_threshold": self.first_step_threshold}
-        options.update(noise=noise, std_scale=std_scale)
-        return sde_step(v, x, sigma, sigma_next, self.kind, noise_level, prev_sample, generator, **options)
+        rule = {"log_prob_mode": self.log_prob_mode, "first_step_threshold": self.first_step_threshold, "noise": noise}
+        return sde_step(v, x, sigma, sigma_next, self.kind, noise_level, prev_sample, generator, std_scale=std_scale, **rule)
 
 
 def transition_stds(rule: StepRule, sigmas: torch.Tensor, noise_levels: torch.Tensor) -> torch.Tensor:
@@ -591,8 +588,8 @@ def rescore_transition(
 
     The log-prob uses the rollout's own rule (so re-scoring with the rollout's weights gives the stored value
     exactly); the KL (None without v_ref) is `gaussian_kl` in `kl_form`, with the diffusion coefficient the
-    kind defines: g² = s²/h for flow_grpo and dance (the code form divides by g², not s²), g = s for cps.
-    `std_scale` (None = 1) scales the std of both, as in sde_step (a tree's split edges).
+    kind defines: g² = s²/h for flow_grpo and dance (the code form divides by g², not s²), g = s for cps;
+    `std_scale` (None = 1) scales the std as in sde_step.
     """
     _, log_prob, mean, std = rule.step(v, x, sigma, sigma_next, noise_level, prev_sample=x_next, std_scale=std_scale)
     if v_ref is None:

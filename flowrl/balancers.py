@@ -53,14 +53,19 @@ def _check_common(cfg, name: str) -> None:
         _fail(name, "per_reward_estimator", cfg.per_reward_estimator, "must be 'zscore' (group z-score) or 'tail' (TailRL)")
 
 
-def _stack(scores: dict[str, torch.Tensor]) -> torch.Tensor:
+def _require(scores: dict[str, torch.Tensor]) -> None:
     if not scores:
         raise ValueError("no reward scores to balance: configure at least one reward")
+
+
+def _stack(scores: dict[str, torch.Tensor]) -> torch.Tensor:
+    _require(scores)
     return torch.stack([scores[name].float() for name in scores])  # [K, M]
 
 
 def _weighted_total(scores: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
     """R_i = Σ_k w_k r_{k,i} over the rewards that apply to sample i; NaN where none does. [M]"""
+    _require(scores)
     stacked = torch.stack([scores[name].float() * weights.get(name, 1.0) for name in scores])  # [K, M]
     applicable = torch.isfinite(stacked)
     total = torch.where(applicable, stacked, torch.zeros_like(stacked)).sum(0)  # [M]
@@ -99,7 +104,6 @@ class WeightedSumBalancer:
         _check_common(self, "weighted_sum")
 
     def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:
-        _stack(scores)
         total = _weighted_total(scores, weights)
         advantages = group_advantages(total, group_ids, std=self.std, eps=self.eps, unbiased=self.unbiased, clip=self.clip)
         return Balance(advantages, _all_true(total.numel()), None, _total_metrics(total, group_ids))
@@ -297,7 +301,6 @@ class TailBalancer:
         _check_common(self, "tail")
 
     def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:
-        _stack(scores)
         total = _weighted_total(scores, weights)
         advantages = tail_advantages(total, group_ids).clamp(-self.clip, self.clip)
         return Balance(advantages, _all_true(total.numel()), None, _total_metrics(total, group_ids))

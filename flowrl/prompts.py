@@ -96,3 +96,25 @@ class GroupedPromptSampler:
     def local_batch(self, step: int, process_index: int, num_processes: int) -> PromptBatch:
         n = self.local_size(num_processes)
         return self.global_batch(step).select(slice(process_index * n, (process_index + 1) * n))
+
+
+def step_batches(cfg, sampler, num_processes: int) -> tuple[GroupedPromptSampler, int]:
+    """A recipe's grouped prompt sampler and its per-process sample count N, checked against the `train:` splits
+    every recipe has (num_minibatches, gradient_accumulation_steps, num_rollout_batches); a sampler that sets
+    `whole_groups` (tree rollouts) keeps every group on one process."""
+    t, d = cfg.train, cfg.data
+    if t.num_minibatches % t.gradient_accumulation_steps:
+        raise ValueError(
+            f"train.gradient_accumulation_steps={t.gradient_accumulation_steps} must divide "
+            f"train.num_minibatches={t.num_minibatches}"
+        )
+    whole = getattr(sampler, "whole_groups", False)
+    prompts = load_prompts(d.prompts, d.prompts_file, d.toy_split, "data")
+    prompt_sampler = GroupedPromptSampler(prompts, d.num_prompts_per_step, d.group_size, cfg.seed, whole)
+    local_n = prompt_sampler.local_size(num_processes)
+    if local_n % t.num_minibatches or local_n % t.num_rollout_batches:
+        raise ValueError(
+            f"the {local_n} samples per process do not split into train.num_minibatches="
+            f"{t.num_minibatches} and train.num_rollout_batches={t.num_rollout_batches}"
+        )
+    return prompt_sampler, local_n

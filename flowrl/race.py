@@ -19,7 +19,6 @@ every finished run, so a crash keeps what finished; the plot (exact accuracy vs 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -100,13 +99,8 @@ def _run_recipe(recipe: str, seed: int, overrides: list[str], every: int | None,
         steps = eval_steps or cfg.eval.num_steps
 
         def measure(step: int, seconds: float) -> dict:
-            use_ema = trainer.ema is not None and cfg.eval.use_ema and trainer.ema.num_updates > 0
-            nothing = contextlib.nullcontext()
-            with (
-                torch.random.fork_rng(),  # training never depends on how often it is measured
-                model.adapter_disabled() if step == 0 and model.has_lora else nothing,
-                trainer.ema.swapped(trainer.opt.params) if step > 0 and use_ema else nothing,
-            ):
+            weights, _ = trainer.evaluation.weights(step or None)  # the base at 0, else what the recipe evaluates
+            with torch.random.fork_rng(), weights:  # training never depends on how often it is measured
                 model.transformer.eval()
                 scores = heldout_scores(model, num_seeds, steps, cfg.eval.guidance_scale, judge)
             curve.append([step, round(seconds, 3), scores["exact_accuracy"], scores["judge_accuracy"], scores["artifact"]])

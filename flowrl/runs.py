@@ -121,6 +121,19 @@ def show_progress(bar, metrics: dict) -> None:
     bar.set_postfix(shown)
 
 
+def step_metrics(wall: float, rollout_s: float, reward_s: float, optimise_s: float, num_samples: int, errors: int, kept) -> dict:
+    """The `perf/...` timings and sample counts every recipe logs for one step (`num_samples` over all processes)."""
+    return {
+        "perf/step_s": wall,
+        "perf/rollout_s": rollout_s,
+        "perf/reward_s": reward_s,
+        "perf/optimise_s": optimise_s,
+        "perf/samples_per_s": num_samples / wall,
+        "train/reward_errors": float(errors),
+        "train/kept_samples": float(kept),
+    }
+
+
 def train_loop(recipe, label: str) -> dict:
     """Run a recipe to cfg.num_steps: resume (checkpoint.resume), the run folder and trackers, the base eval, then
     `recipe.train_step()` with logging, evals and checkpoints on their cadences, a last checkpoint and eval.

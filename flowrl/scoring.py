@@ -23,6 +23,7 @@ import torch
 
 from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_scores, score_checked
+from flowrl.types import Rollout
 
 POLICIES = ("raise", "skip_sample")
 
@@ -143,10 +144,6 @@ def reward_metrics(scores: dict[str, torch.Tensor], failed: torch.Tensor) -> dic
 def rollout_and_score(sampler, model, batch, scorer: Scorer, num_chunks: int, step: int):
     """Stages 2-3 of a recipe: the batch sampled in `num_chunks` chunks, each chunk's rewards scored (in the scorer's
     worker thread while the next chunk samples). Returns (Rollout of the whole batch, local Scores, rollout seconds)."""
-    import time
-
-    from flowrl.types import Rollout
-
     chunk = len(batch.prompts) // num_chunks
     parts, seconds = [], 0.0
     model.transformer.eval()

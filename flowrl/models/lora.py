@@ -135,14 +135,22 @@ class LoRAMixin:
             raise RuntimeError("adapter_disabled() needs a LoRA adapter; with full fine-tuning keep a frozen reference copy")
         # peft's disable / enable also set requires_grad (off for all, then on for the active adapter only): the
         # trained / frozen split is put back as the recipe set it, whichever adapter is active
-        flags = [(p, p.requires_grad) for p in self.transformer.parameters()]
-        self.transformer.disable_adapters()
+        with self._grad_flags_kept():
+            self.transformer.disable_adapters()
+            try:
+                yield
+            finally:
+                self.transformer.enable_adapters()
+
+    @contextlib.contextmanager
+    def _grad_flags_kept(self) -> Iterator[None]:
+        """Every transformer parameter's requires_grad as it was before the block (parameters added inside: frozen)."""
+        flags = {id(p): p.requires_grad for p in self.transformer.parameters()}
         try:
             yield
         finally:
-            self.transformer.enable_adapters()
-            for p, flag in flags:
-                p.requires_grad_(flag)
+            for p in self.transformer.parameters():
+                p.requires_grad_(flags.get(id(p), False))
 
     # ------------------------------------------------------------------------------------ named adapters
     @property
@@ -189,16 +197,12 @@ class LoRAMixin:
     def copy_adapter(self, source: str = "default", target: str = "old") -> None:
         """Make adapter `target` an exact, frozen copy of `source` (created with the same config when missing)."""
         if target not in self.adapter_names:
-            config = self.transformer.peft_config[source]
             active = self._active()
-            flags = {n: p.requires_grad for n, p in self.transformer.named_parameters()}
             # diffusers activates the new adapter through peft's set_adapter, which also flips requires_grad
-            with warnings.catch_warnings():  # peft warns that a model with adapters gets one more: intended here
-                warnings.simplefilter("ignore", UserWarning)
-                self.transformer.add_adapter(config, adapter_name=target)
+            with self._grad_flags_kept(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # peft warns that a model gets one more adapter: intended
+                self.transformer.add_adapter(self.transformer.peft_config[source], adapter_name=target)
             self._set_active(active)
-            for n, p in self.transformer.named_parameters():
-                p.requires_grad_(flags.get(n, False))
         src, dst = self.adapter_parameters(source), self.adapter_parameters(target)
         for name, p in src.items():
             q = dst[name.replace(f".{source}.", f".{target}.")]

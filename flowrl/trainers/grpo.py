@@ -38,9 +38,9 @@ from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import clipped_policy_loss
 from flowrl.models import build_policy
 from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
-from flowrl.prompts import GroupedPromptSampler, load_prompts
+from flowrl.prompts import step_batches
 from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.runs import RunFolder, train_loop
+from flowrl.runs import RunFolder, step_metrics, train_loop
 from flowrl.scoring import Scorer, balance, build_rewards, rollout_and_score
 from flowrl.types import Rollout, select_cond
 
@@ -176,11 +176,6 @@ class GRPOTrainer:
         from accelerate.utils import set_seed
 
         self.cfg, t = cfg, cfg.train
-        if t.num_minibatches % t.gradient_accumulation_steps:
-            raise ValueError(
-                f"train.gradient_accumulation_steps={t.gradient_accumulation_steps} must divide "
-                f"train.num_minibatches={t.num_minibatches}"
-            )
         if t.kl_form not in sde.KL_FORMS:
             raise ValueError(f"train.kl_form={t.kl_form!r} must be one of {', '.join(sde.KL_FORMS)}")
         if t.kl_coef > 0 and not cfg.model.use_lora:
@@ -188,17 +183,7 @@ class GRPOTrainer:
         self.accelerator = acc = accelerator or make_accelerator(cfg)
         self.run = RunFolder(cfg.output_dir, cfg.name)
         self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
-        b, g = cfg.data.num_prompts_per_step, cfg.data.group_size
-        whole = getattr(self.sampler, "whole_groups", False)  # tree rollouts keep a group on one process
-        self.prompt_sampler = GroupedPromptSampler(
-            load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data"), b, g, cfg.seed, whole
-        )
-        self.local_n = self.prompt_sampler.local_size(acc.num_processes)
-        if self.local_n % t.num_minibatches or self.local_n % t.num_rollout_batches:
-            raise ValueError(
-                f"the {self.local_n} samples per process do not split into train.num_minibatches="
-                f"{t.num_minibatches} and train.num_rollout_batches={t.num_rollout_batches}"
-            )
+        self.prompt_sampler, self.local_n = step_batches(cfg, self.sampler, acc.num_processes)
         if t.num_minibatches != t.num_rollout_batches:
             warnings.warn(
                 f"rollout chunks of {self.local_n // t.num_rollout_batches} samples but minibatches of "
@@ -242,17 +227,8 @@ class GRPOTrainer:
 
         # 7. Log
         wall = time.perf_counter() - started
-        metrics.update(
-            {
-                "perf/step_s": wall,
-                "perf/rollout_s": rollout_s,
-                "perf/reward_s": local.seconds,
-                "perf/optimise_s": optimise_s,
-                "perf/samples_per_s": self.local_n * acc.num_processes / wall,
-                "train/reward_errors": float(errors),
-                "train/kept_samples": float(keep.sum()),
-            }
-        )
+        samples = self.local_n * acc.num_processes
+        metrics.update(step_metrics(wall, rollout_s, local.seconds, optimise_s, samples, errors, keep.sum()))
         self.step += 1
         return metrics
 

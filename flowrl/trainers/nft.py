@@ -38,9 +38,9 @@ from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import ADV_MODES, nft_loss
 from flowrl.models import build_policy
 from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
-from flowrl.prompts import GroupedPromptSampler, load_prompts
+from flowrl.prompts import step_batches
 from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.runs import RunFolder, train_loop
+from flowrl.runs import RunFolder, step_metrics, train_loop
 from flowrl.scoring import Scorer, balance, build_rewards, rollout_and_score
 from flowrl.types import select_cond
 
@@ -106,11 +106,6 @@ class NFTTrainer:
         from accelerate.utils import set_seed
 
         self.cfg, t = cfg, cfg.train
-        if t.num_minibatches % t.gradient_accumulation_steps:
-            raise ValueError(
-                f"train.gradient_accumulation_steps={t.gradient_accumulation_steps} must divide "
-                f"train.num_minibatches={t.num_minibatches}"
-            )
         if t.adv_mode not in ADV_MODES:
             raise ValueError(f"train.adv_mode={t.adv_mode!r} must be one of {', '.join(ADV_MODES)}")
         old_policy_decay(t.decay_type, 0)  # validates decay_type
@@ -120,23 +115,14 @@ class NFTTrainer:
             raise ValueError("trainer: nft needs model.use_lora=true (the sampling policy and the reference are adapters)")
         self.accelerator = acc = accelerator or make_accelerator(cfg)
         self.run = RunFolder(cfg.output_dir, cfg.name)
-        b, g = cfg.data.num_prompts_per_step, cfg.data.group_size
-        self.prompt_sampler = GroupedPromptSampler(
-            load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data"), b, g, cfg.seed
-        )
-        self.local_n = self.prompt_sampler.local_size(acc.num_processes)
-        if self.local_n % t.num_minibatches or self.local_n % t.num_rollout_batches:
-            raise ValueError(
-                f"the {self.local_n} samples per process do not split into train.num_minibatches="
-                f"{t.num_minibatches} and train.num_rollout_batches={t.num_rollout_batches}"
-            )
+        self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
+        self.prompt_sampler, self.local_n = step_batches(cfg, self.sampler, acc.num_processes)
         set_seed(cfg.seed)  # every process starts from the same adapter
         self.model = build_policy(cfg.model, acc.device)
         self.model.copy_adapter("default", OLD)  # θ_old = θ (= the reference while LoRA B = 0)
         self.opt = OptimizerStep(acc, self.model.transformer, t, self.local_n // t.num_minibatches, cfg.model.mixed_precision)
         self.old_params = self.model.adapter_parameters(OLD)  # after sharding: the live (possibly sharded) tensors
         self.ema = EMA(self.opt.names, self.opt.params, t.ema_decay, t.ema_every_n_steps, t.ema_mode) if t.use_ema else None
-        self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
         guidance = getattr(self.sampler, "guidance_scale", None)
         self.guidance = self.model.default_guidance_scale if guidance is None else guidance
         if self.model.uses_cfg(self.guidance):
@@ -183,18 +169,9 @@ class NFTTrainer:
 
         # 7. Log
         wall = time.perf_counter() - started
-        metrics.update(
-            {
-                "perf/step_s": wall,
-                "perf/rollout_s": rollout_s,
-                "perf/reward_s": local.seconds,
-                "perf/optimise_s": optimise_s,
-                "perf/samples_per_s": self.local_n * acc.num_processes / wall,
-                "train/reward_errors": float(errors),
-                "train/kept_samples": float(keep.sum()),
-                "train/old_decay": decay,
-            }
-        )
+        samples = self.local_n * acc.num_processes
+        metrics.update(step_metrics(wall, rollout_s, local.seconds, optimise_s, samples, errors, keep.sum()))
+        metrics["train/old_decay"] = decay
         self.step += 1
         return metrics
 
@@ -217,13 +194,13 @@ class NFTTrainer:
                     window = len(stats["loss"])  # this optimizer step's losses start here
                 rows = order[m * mb : (m + 1) * mb]
                 index = rows.to(acc.device)  # [b]
-                kept = max(int(keep[index].sum()), 1)
+                x0_b, adv_b, keep_b = x0[index], advantages[index], keep[index].float()  # [b, ...], [b], [b]
+                kept, per_backward = max(int(keep_b.sum()), 1), accum * times.shape[1]  # mean over kept samples, times, accum
                 sub_cond = select_cond(cond, index)
                 for j in range(times.shape[1]):
                     sigma = sigmas[times[rows, j].to(acc.device)]  # [b]
                     noise = torch.stack([torch.randn(x0.shape[1:], generator=draws[i]) for i in rows.tolist()])
-                    noise = noise.to(acc.device)  # [b, ...] one fresh ε per (sample, t)
-                    x_t = sde.forward_noise(x0[index], noise, sigma)
+                    x_t = sde.forward_noise(x0_b, noise.to(acc.device), sigma)  # one fresh ε per (sample, t)
                     v_theta = model.velocity(x_t, sigma, sub_cond, self.guidance)
                     with torch.no_grad():
                         with model.using_adapter(OLD):
@@ -232,21 +209,12 @@ class NFTTrainer:
                         if t.kl_coef > 0:
                             with model.adapter_disabled():
                                 v_ref = model.velocity(x_t, sigma, sub_cond, self.guidance)
-                    per_sample, s = nft_loss(
-                        v_theta,
-                        v_old,
-                        v_ref,
-                        x0[index],
-                        x_t,
-                        sigma,
-                        advantages[index],
-                        t.adv_clip_max,
-                        t.nft_beta,
-                        t.kl_coef,
-                        t.adv_mode,
+                    args = (t.adv_clip_max, t.nft_beta, t.kl_coef, t.adv_mode)
+                    per_sample, s = nft_loss(v_theta, v_old, v_ref, x0_b, x_t, sigma, adv_b, *args)
+                    self.opt.backward(
+                        (per_sample * keep_b).sum() / kept / per_backward,
+                        boundary=j == times.shape[1] - 1 and (m + 1) % accum == 0,
                     )
-                    loss = (per_sample * keep[index].float()).sum() / kept / (accum * times.shape[1])
-                    self.opt.backward(loss, boundary=j == times.shape[1] - 1 and (m + 1) % accum == 0)
                     stats["loss"].append(per_sample.detach().mean())
                     for key in ("policy_loss", "kl", "r", "positive_loss", "negative_loss"):
                         stats[key].append(s[key].mean())

@@ -43,16 +43,19 @@ def group_advantages(
     unbiased: bool = False,
     clip: float | None = 5.0,
 ) -> torch.Tensor:
-    """A_i = (R_i − mean_group) / (std + eps), std per group ("group") or over the whole batch ("global").
+    """A_i = (R_i − mean_group) / (std + eps), std per group ("group") or over the whole batch ("global");
+    std="none" only centres, A_i = R_i − mean_group (RAM's default, no eps).
 
     Flow-GRPO: std="global", eps=1e-4, population std; DanceGRPO: std="group", eps=1e-8, unbiased=True.
     Clipped to [−clip, clip] (5 in every reference code); NaN rewards get 0. Returns [M] float32.
     """
-    if std not in ("group", "global"):
-        raise ValueError(f"std={std!r} must be 'group' (per prompt) or 'global' (whole batch)")
+    if std not in ("group", "global", "none"):
+        raise ValueError(f"std={std!r} must be 'group' (per prompt), 'global' (whole batch) or 'none' (centre only)")
     mean, group_std = group_mean_std(rewards, group_ids, unbiased)
     finite = torch.isfinite(rewards)
-    if std == "global":
+    if std == "none":
+        scale, eps = torch.ones_like(mean), 0.0
+    elif std == "global":
         values = rewards.float()[finite]
         scale = values.std(unbiased=unbiased) if values.numel() > int(unbiased) else torch.tensor(0.0)
         scale = scale.expand_as(mean)

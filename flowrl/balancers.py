@@ -90,7 +90,7 @@ class WeightedSumBalancer:
     """Sum then normalize: R = Σ_k w_k r_k (NaN parts skipped), then group advantages of R (Flow-GRPO)."""
 
     std: str = "global"
-    """'global' (Flow-GRPO, DiffusionNFT) or 'group' (DanceGRPO) std in the denominator."""
+    """'global' (Flow-GRPO, DiffusionNFT) or 'group' (DanceGRPO) std in the denominator; 'none' only centres (RAM)."""
     eps: float = 1e-4
     """Added to the std in the denominator (1e-4 Flow-GRPO / DiffusionNFT, 1e-8 DanceGRPO)."""
     unbiased: bool = False
@@ -99,8 +99,8 @@ class WeightedSumBalancer:
     """Advantages are clipped to [−clip, clip]."""
 
     def __post_init__(self):
-        if self.std not in ("global", "group"):
-            _fail("weighted_sum", "std", self.std, "must be 'global' (whole-batch std) or 'group' (per-prompt std)")
+        if self.std not in ("global", "group", "none"):
+            _fail("weighted_sum", "std", self.std, "must be 'global' (whole-batch std), 'group' (per-prompt std) or 'none'")
         _check_common(self, "weighted_sum")
 
     def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:

@@ -96,3 +96,21 @@ def nft_loss(
         "negative_loss": negative.detach(),
     }
     return policy + kl_coef * kl, stats
+
+
+def ram_target(
+    v_ref: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, advantages: torch.Tensor, multiplier: float
+) -> torch.Tensor:
+    """RAM's regression target sg[v_ref + m·A·((ε − x0) − v_old)] (docs/math.md#reinforce-adjoint-matching), float32.
+
+    `advantages` [n] (one per endpoint), the rest [n, ...]: with m·A = 1 and v_old = v_ref it is the flow-matching
+    target ε − x0; with A = 0 it is v_ref.
+    """
+    scale = (multiplier * advantages.float()).view(-1, *([1] * (x0.ndim - 1)))  # [n, 1, ...]
+    residual = noise.float() - x0.float() - v_old.detach().float()
+    return (v_ref.detach().float() + scale * residual).detach()
+
+
+def ram_loss(v_theta: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """mean((v_θ − target)²) per sample [n]; only v_θ carries a gradient."""
+    return ((v_theta.float() - target.detach()) ** 2).mean(tuple(range(1, target.ndim)))

@@ -1,0 +1,292 @@
+"""Low-precision number formats (exact fake-quantization) and the preview models built from them.
+
+    y = fake_quant_nvfp4(x)                  # NVFP4: 16-element blocks, E4M3 block scales, FP32 tensor scale
+    y = fake_quant_mxfp4(x, rounding="floor")  # MXFP4: 32-element blocks, E8M0 (power-of-two) scales
+    preview = build_preview(model.transformer, PreviewSpec(["fake_nvfp4"]))  # a quantized copy of the live policy
+
+The formats and their rounding rules are in docs/math.md#low-precision-previews (ALGORITHMS §4.4). All arithmetic
+is float32; rounding is round-to-nearest-even throughout. Fake-quantization = dequantize(quantize(x)): the values
+a real kernel would compute with, on any device, at fp32 speed or slower. Real low-precision speed needs the
+torchao kernels (`nvfp4` on sm_100+, `fp8` on sm_89+).
+
+A preview model is a copy of the current policy (the active LoRA adapter merged into the weights) with its
+eligible linears replaced: `fake_*` layers hold their fake-quantized weight (quantized once, when the copy is
+built) and fake-quantize their input activations on every call; `int8` is torch's dynamic int8 quantization
+(CPU); `cached` turns on diffusers' cache hooks on the copy. The sampler builds a fresh copy at the start of
+every rollout, so the preview always follows the weights of the latest optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_MIN_NORMAL = 2.0**-6
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # every E2M1 magnitude (0.5 is the only subnormal)
+
+
+# ------------------------------------------------------------------------------------------ element rounding
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 value, ties to the even mantissa (0.25→0, 0.75→1, 2.5→2, 3.5→4, 5→4); |x| > 6 saturates to 6."""
+    x = x.float()
+    a = x.abs().clamp(max=E2M1_MAX)
+    # the grid spacing is 0.5 below 2, 1 in [2, 4), 2 in [4, 6]; torch.round rounds half to even
+    step = torch.where(a < 2, torch.full_like(a, 0.5), torch.where(a < 4, torch.ones_like(a), torch.full_like(a, 2.0)))
+    return torch.copysign(torch.round(a / step) * step, x)
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Nearest FP8 E4M3 (e4m3fn) value, ties to even: 3 mantissa bits, normals down to 2^-6, subnormal step 2^-9;
+    |x| > 448 saturates to 448 (e4m3fn has no infinity)."""
+    x = x.float()
+    a = x.abs().clamp(max=E4M3_MAX)
+    _, exponent = torch.frexp(a)  # a = m · 2^exponent, m in [0.5, 1): floor(log2 a) = exponent - 1
+    e = torch.clamp(exponent - 1, min=-6)  # below the smallest normal the spacing stays 2^-9
+    step = torch.ldexp(torch.ones_like(a), e - 3)
+    return torch.copysign(torch.round(a / step) * step, x).clamp(-E4M3_MAX, E4M3_MAX)
+
+
+# ------------------------------------------------------------------------------------------ blocks
+def _blocks(x: torch.Tensor, axis: int, block: int) -> tuple[torch.Tensor, tuple]:
+    """x with `axis` last, zero-padded to a multiple of `block`, as [..., num_blocks, block]; and how to undo it."""
+    if block < 1:
+        raise ValueError(f"block={block} must be >= 1")
+    moved = x.float().movedim(axis, -1)
+    size = moved.shape[-1]
+    pad = (-size) % block
+    if pad:
+        moved = F.pad(moved, (0, pad))  # zeros change no block maximum
+    return moved.reshape(*moved.shape[:-1], -1, block), (axis, size, moved.shape)
+
+
+def _unblock(y: torch.Tensor, undo: tuple) -> torch.Tensor:
+    axis, size, shape = undo
+    return y.reshape(shape)[..., :size].movedim(-1, axis)
+
+
+def nvfp4_scales(
+    x: torch.Tensor, axis: int = -1, block: int = 16, two_level: bool = True, scale_floor: float = 2**-6, amax=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    """NVFP4 quantization of x: (codes [..., nb, block] in E2M1, encoded block scales ê [..., nb, 1] in E4M3,
+    the per-tensor scale S (1 for single-level), undo info). Dequantized value = codes · S · ê."""
+    xb, undo = _blocks(x, axis, block)
+    block_max = xb.abs().amax(dim=-1, keepdim=True)  # [..., nb, 1]
+    if two_level:
+        tensor_amax = xb.abs().max() if amax is None else torch.as_tensor(amax, dtype=torch.float32)
+        scale = (tensor_amax / (E4M3_MAX * E2M1_MAX)).float()  # S, FP32
+        if float(scale) == 0.0:
+            return torch.zeros_like(xb), torch.zeros_like(block_max), scale, undo
+        encoded = round_e4m3((block_max / E2M1_MAX / scale).clamp(scale_floor, E4M3_MAX))  # ê_b
+    else:
+        scale = torch.ones((), dtype=torch.float32)
+        encoded = round_e4m3((block_max / E2M1_MAX).clamp(scale_floor, E4M3_MAX))
+    total = scale * encoded  # T_b
+    codes = round_e2m1((xb / total).clamp(-E2M1_MAX, E2M1_MAX))
+    return codes, encoded, scale, undo
+
+
+def fake_quant_nvfp4(
+    x: torch.Tensor, axis: int = -1, block: int = 16, two_level: bool = True, scale_floor: float = 2**-6, amax=None
+) -> torch.Tensor:
+    """dequant(quant(x)) in NVFP4 (ALGORITHMS §4.4): blocks of `block` elements along `axis`, E4M3 block scales
+    clipped at `scale_floor`, one FP32 tensor scale amax / (448·6) (`amax`: the tensor's own max |x| when None)."""
+    codes, encoded, scale, undo = nvfp4_scales(x, axis, block, two_level, scale_floor, amax)
+    return _unblock(codes * (scale * encoded), undo)
+
+
+def mxfp4_exponents(block_max: torch.Tensor, rounding: str = "floor") -> torch.Tensor:
+    """Shared E8M0 exponent per block: floor(log2 max|X_b|) − 2 ('floor', the OCP spec) or ceil(log2(max|X_b| / 6))
+    ('rceil'); clamped to the E8M0 range [−127, 127]."""
+    mantissa, exponent = torch.frexp(block_max.float())
+    if rounding == "floor":
+        shared = exponent - 1 - 2  # floor(log2 a) = exponent - 1; emax of E2M1 = 2
+    elif rounding == "rceil":
+        mantissa, exponent = torch.frexp(block_max.float() / E2M1_MAX)
+        shared = torch.where(mantissa == 0.5, exponent - 1, exponent)  # ceil(log2 y): exact powers of two stay
+    else:
+        raise ValueError(f"rounding={rounding!r} must be 'floor' (the OCP spec) or 'rceil'")
+    return shared.clamp(-127, 127)
+
+
+def fake_quant_mxfp4(x: torch.Tensor, axis: int = -1, block: int = 32, rounding: str = "floor") -> torch.Tensor:
+    """dequant(quant(x)) in MXFP4: blocks of `block` along `axis`, one power-of-two scale 2^shared_exp each
+    (`mxfp4_exponents`), E2M1 elements; values in (6, 8)·scale saturate to 6 under 'floor'. Zero blocks stay 0."""
+    xb, undo = _blocks(x, axis, block)
+    block_max = xb.abs().amax(dim=-1, keepdim=True)
+    scale = torch.ldexp(torch.ones_like(block_max), mxfp4_exponents(block_max, rounding))
+    y = round_e2m1((xb / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale
+    return _unblock(torch.where(block_max > 0, y, torch.zeros_like(y)), undo)
+
+
+def fake_quant_fp8(x: torch.Tensor, amax=None) -> torch.Tensor:
+    """dequant(quant(x)) in FP8 E4M3 with one per-tensor scale amax / 448 (torchao's dynamic float8 recipe)."""
+    tensor_amax = x.detach().abs().max().float() if amax is None else torch.as_tensor(amax, dtype=torch.float32)
+    if float(tensor_amax) == 0.0:
+        return torch.zeros_like(x, dtype=torch.float32)
+    scale = tensor_amax / E4M3_MAX
+    return round_e4m3((x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX)) * scale
+
+
+FAKE_QUANT = {"fake_nvfp4": fake_quant_nvfp4, "fake_mxfp4": fake_quant_mxfp4, "fake_fp8": fake_quant_fp8}
+
+
+class FakeQuantLinear(torch.nn.Module):
+    """A linear layer in a low-precision format: its weight fake-quantized once (per output row, blocks along the
+    input dimension), its input activations fake-quantized on every call (blocks along the last dimension), the
+    product and the bias in float32."""
+
+    def __init__(self, linear: torch.nn.Linear, fmt: str):
+        super().__init__()
+        self.fmt, self.quant = fmt, FAKE_QUANT[fmt]
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            weight = self.quant(linear.weight.detach().float())
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(self.quant(x.float()), self.weight, self.bias)
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, format={self.fmt}"
+
+
+# ------------------------------------------------------------------------------------------ preview models
+BACKENDS = ("fake_nvfp4", "fake_mxfp4", "fake_fp8", "nvfp4", "fp8", "int8", "bf16", "few_step", "cached")
+PRECISIONS = ("fake_nvfp4", "fake_mxfp4", "fake_fp8", "nvfp4", "fp8", "int8", "bf16")  # at most one of these
+DEFAULT_SKIP = ("embed", "caption_projection", "proj_out", "norm_out", "time_proj")
+CACHES = {"first_block": "FirstBlockCacheConfig", "mag": "MagCacheConfig", "taylorseer": "TaylorSeerCacheConfig"}
+
+
+@dataclass
+class PreviewSpec:
+    """How the cheap preview model differs from the policy (the candidates sampler's `preview_*` fields)."""
+
+    backends: list[str] = field(default_factory=lambda: ["fake_nvfp4"])
+    """Any of BACKENDS, combined (at most one precision): e.g. ['few_step', 'int8']."""
+    skip: tuple[str, ...] = DEFAULT_SKIP
+    """Linears whose qualified name contains one of these stay at full precision (embedders, the final layer)."""
+    min_features: int = 0
+    """Linears with max(in, out) <= this stay at full precision (Sol-RL's SANA config: 2240)."""
+    cache: dict = field(default_factory=lambda: {"type": "first_block", "threshold": 0.2})
+    """The `cached` backend: type (first_block, mag, taylorseer) and that diffusers config's arguments."""
+
+    def __post_init__(self) -> None:
+        self.backends = [self.backends] if isinstance(self.backends, str) else list(self.backends)
+        for b in self.backends:
+            if b not in BACKENDS:
+                raise ValueError(f"sampler.preview_backend={b!r} is not one of {', '.join(BACKENDS)}")
+        precisions = [b for b in self.backends if b in PRECISIONS]
+        if len(precisions) > 1:
+            raise ValueError(f"sampler.preview_backend combines {' and '.join(precisions)}; keep at most one precision")
+        if "cached" in self.backends and self.cache.get("type") not in CACHES:
+            raise ValueError(f"sampler.preview_cache.type={self.cache.get('type')!r} must be one of {', '.join(CACHES)}")
+
+    @property
+    def precision(self) -> str | None:
+        return next((b for b in self.backends if b in PRECISIONS), None)
+
+
+def parse_backend(value: str | list[str]) -> list[str]:
+    """'few_step+int8' or ['few_step', 'int8'] -> ['few_step', 'int8']."""
+    return [b.strip() for b in value.split("+")] if isinstance(value, str) else list(value)
+
+
+def quantizable_linears(module: torch.nn.Module, skip=DEFAULT_SKIP, min_features: int = 0) -> list[str]:
+    """Qualified names of the nn.Linear layers a preview quantizes (not skipped by name, larger than min_features)."""
+    return [
+        name
+        for name, m in module.named_modules()
+        if type(m) is torch.nn.Linear and not any(s in name for s in skip) and max(m.in_features, m.out_features) > min_features
+    ]
+
+
+def _replace(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+
+
+@torch.no_grad()
+def merged_copy(transformer: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of the transformer computing what it computes now: each LoRA layer's active adapter merged
+    into its base weight (W + s·B·A) and the LoRA layer replaced by that base layer."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    clone = copy.deepcopy(transformer)
+    layers = [(n, m) for n, m in clone.named_modules() if isinstance(m, BaseTunerLayer)]
+    for name, layer in layers:
+        base = layer.get_base_layer()
+        if not layer.disable_adapters:
+            for adapter in layer.active_adapters:
+                if adapter in getattr(layer, "lora_A", {}):
+                    base.weight.data += layer.get_delta_weight(adapter).to(base.weight.dtype)
+        _replace(clone, name, base)
+    clone.requires_grad_(False)
+    return clone.eval()
+
+
+def _check_kernels(precision: str, device: torch.device) -> None:
+    need = {"nvfp4": (10, 0), "fp8": (8, 9)}[precision]
+    arch = f"sm_{need[0]}{need[1]}+"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < need:
+        where = device.type if device.type != "cuda" else "sm_{}{}".format(*torch.cuda.get_device_capability(device))
+        raise ValueError(
+            f"sampler.preview_backend={precision!r} needs torchao kernels on an {arch} GPU; this run has {where}: "
+            f"use fake_{precision} (exact, any device) instead"
+        )
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        raise ValueError(f"sampler.preview_backend={precision!r} needs torchao (pip install torchao)") from None
+
+
+def _torchao_quantize(model: torch.nn.Module, precision: str, names: set[str]) -> None:
+    from torchao.quantization import quantize_
+
+    if precision == "fp8":
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig as Config
+    else:
+        from torchao.prototype.mx_formats import NVFP4InferenceConfig as Config
+    quantize_(model, Config(), filter_fn=lambda m, fqn: fqn in names)
+
+
+def _enable_cache(model: torch.nn.Module, cache: dict, family: str) -> None:
+    if not hasattr(model, "enable_cache"):
+        raise ValueError(
+            f"sampler.preview_backend='cached' needs diffusers cache hooks; the {family} transformer "
+            f"({type(model).__name__}) has none (FLUX and Wan have them): choose another preview_backend"
+        )
+    import diffusers
+
+    options = {k: v for k, v in cache.items() if k != "type"}
+    model.enable_cache(getattr(diffusers, CACHES[cache["type"]])(**options))
+
+
+def build_preview(transformer: torch.nn.Module, spec: PreviewSpec, family: str = "model") -> torch.nn.Module:
+    """The preview copy of the live transformer (see the module docstring); `few_step` and `bf16` act in the sampler."""
+    device = next(transformer.parameters()).device
+    precision = spec.precision
+    if precision in ("nvfp4", "fp8"):
+        _check_kernels(precision, device)
+    if precision == "int8" and device.type != "cpu":
+        raise ValueError(f"sampler.preview_backend='int8' is torch's dynamic quantization for the CPU; this run is on {device}")
+    if "cached" in spec.backends and not hasattr(transformer, "enable_cache"):
+        _enable_cache(transformer, spec.cache, family)  # raises the one-line error before copying anything
+    preview = merged_copy(transformer)
+    names = quantizable_linears(preview, spec.skip, spec.min_features)
+    if precision in FAKE_QUANT:
+        for name in names:
+            _replace(preview, name, FakeQuantLinear(preview.get_submodule(name), precision))
+    elif precision == "int8":
+        preview = torch.ao.quantization.quantize_dynamic(preview, set(names), dtype=torch.qint8)
+    elif precision in ("nvfp4", "fp8"):
+        _torchao_quantize(preview, precision, set(names))
+    if "cached" in spec.backends:
+        _enable_cache(preview, spec.cache, family)
+    return preview

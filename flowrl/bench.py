@@ -1,7 +1,8 @@
 """`flowrl bench ...`: speed measured side by side in one process, written as JSON with ratios.
 
 Timings are best-of-`repeats` wall times after one warm-up call; nothing here is asserted by tests.
-`flowrl bench trainers` (the race between training recipes to GRPO's final held-out accuracy) lives in flowrl/race.py.
+`flowrl bench trainers` (the race between training recipes to GRPO's final held-out accuracy) lives in flowrl/race.py,
+`flowrl bench tree` (tree vs independent rollouts) in flowrl/bench_tree.py.
 """
 
 from __future__ import annotations
@@ -15,9 +16,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from flowrl.bench_tree import bench_tree
 from flowrl.race import bench_trainers, plot_trainers
 
-__all__ = ["bench_report", "bench_rewards", "bench_rollout", "bench_train", "bench_trainers", "best_times", "plot_trainers"]
+__all__ = [
+    "bench_report",
+    "bench_rewards",
+    "bench_rollout",
+    "bench_train",
+    "bench_trainers",
+    "bench_tree",
+    "best_times",
+    "plot_trainers",
+]
 
 
 def best_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

@@ -125,11 +125,17 @@ BENCHES = {
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure speed; writes JSON with side-by-side ratios")
-    which = p.add_subparsers(dest="what", required=True, metavar="{" + ",".join([*BENCHES, "trainers"]) + "}")
+    which = p.add_subparsers(dest="what", required=True, metavar="{" + ",".join([*BENCHES, "tree", "trainers"]) + "}")
     for name, text in BENCHES.items():
         q = which.add_parser(name, help=text)
         q.add_argument("--json", required=True, help="output JSON path")
         q.add_argument("--repeats", type=int, default=5)
+    q = which.add_parser("tree", help="tree vs independent SDE rollouts at equal leaves and steps: forwards and wall per leaf")
+    q.add_argument("--json", required=True, help="output JSON path")
+    q.add_argument("--repeats", type=int, default=5)
+    q.add_argument("--num-steps", default="20", help="denoising steps of both (default: 20)")
+    q.add_argument("--split-steps", default="0,3,6,9", help="the tree's split steps (default: 0,3,6,9; b = 2: 16 leaves)")
+    q.add_argument("--families", default="toy,sd3", help="comma-separated models (default: toy,sd3)")
     q = which.add_parser(
         "trainers", help="race the configs/toy/*.yaml recipes over seeds to GRPO's final held-out exact accuracy"
     )
@@ -173,7 +179,15 @@ def _run_bench(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
         return 0
-    result = getattr(bench, f"bench_{args.what}")(repeats=args.repeats)
+    if args.what == "tree":
+        result = bench.bench_tree(
+            repeats=_positive_int("--repeats", str(args.repeats)),
+            num_steps=_positive_int("--num-steps", args.num_steps),
+            split_steps=tuple(_int_list("--split-steps", args.split_steps)),
+            families=tuple(name.strip() for name in args.families.split(",")),
+        )
+    else:
+        result = getattr(bench, f"bench_{args.what}")(repeats=args.repeats)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))

@@ -141,15 +141,28 @@ def reward_metrics(scores: dict[str, torch.Tensor], failed: torch.Tensor) -> dic
     return metrics
 
 
-def rollout_and_score(sampler, model, batch, scorer: Scorer, num_chunks: int, step: int):
+def ranking_score_fn(scorer: Scorer, weights: dict[str, float]):
+    """The score_fn a recipe hands to samplers that rank candidates (candidate pools, tree pruning): the weighted sum
+    of the recipe's rewards, scored now under its error policy; a not-applicable (NaN) reward counts 0."""
+
+    def score_fn(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        out = score_batch(scorer.rewards, images, prompts, metadata, scorer.policy)
+        return sum(weights.get(name, 1.0) * torch.nan_to_num(s, nan=0.0) for name, s in out.scores.items())
+
+    return score_fn
+
+
+def rollout_and_score(sampler, model, batch, scorer: Scorer, num_chunks: int, step: int, weights=None):
     """Stages 2-3 of a recipe: the batch sampled in `num_chunks` chunks, each chunk's rewards scored (in the scorer's
-    worker thread while the next chunk samples). Returns (Rollout of the whole batch, local Scores, rollout seconds)."""
+    worker thread while the next chunk samples); samplers get `ranking_score_fn(scorer, weights)` as their score_fn.
+    Returns (Rollout of the whole batch, local Scores, rollout seconds)."""
     chunk = len(batch.prompts) // num_chunks
     parts, seconds = [], 0.0
+    score_fn = ranking_score_fn(scorer, weights or {})
     model.transformer.eval()
     for c in range(num_chunks):
         tic = time.perf_counter()
-        part = sampler(model, batch.select(slice(c * chunk, (c + 1) * chunk)), step=step)
+        part = sampler(model, batch.select(slice(c * chunk, (c + 1) * chunk)), score_fn=score_fn, step=step)
         seconds += time.perf_counter() - tic
         parts.append(part)
         scorer.submit(part.images, part.prompts, part.metadata, offset=c * chunk)

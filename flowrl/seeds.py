@@ -9,6 +9,8 @@ A sample's three random streams hang off its own seed `s`:
     step noise         manual_seed(s + NOISE_STREAM)
     SDE window start   manual_seed(s + WINDOW_STREAM)
     training noise     manual_seed(s + TRAIN_STREAM)              (NFT: its training times and their ε)
+A prompt group's candidate pool (the candidates sampler) hangs off the group's seed g:
+    pool seeds, then random selection draws    manual_seed(g + POOL_STREAM)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ MAX_SEED = 2**31 - 1
 NOISE_STREAM = 1 << 32  # offset between a sample's latent seed and its step-noise seed
 WINDOW_STREAM = 2 * NOISE_STREAM  # offset of the seed that places a sample's SDE window
 TRAIN_STREAM = 3 * NOISE_STREAM  # offset of the seed of a sample's training-time draws (forward-process recipes)
+POOL_STREAM = 4 * NOISE_STREAM  # offset of the seed of a prompt group's candidate pool
 
 
 def prompt_order(seed: int, epoch: int, num_prompts: int) -> torch.Tensor:
@@ -44,3 +47,13 @@ def sample_generators(seeds: torch.Tensor, device: torch.device | str, offset: i
 def window_start(seed: int, low: int, high: int) -> int:
     """A sample's random SDE window start, uniform in [low, high]."""
     return int(torch.randint(low, high + 1, (1,), generator=torch.Generator().manual_seed(int(seed) + WINDOW_STREAM)))
+
+
+def pool_generator(group_seed: int) -> torch.Generator:
+    """The generator of a prompt group's candidate pool: its seeds first, then any random selection."""
+    return torch.Generator().manual_seed(int(group_seed) + POOL_STREAM)
+
+
+def pool_seeds(generator: torch.Generator, pool_size: int) -> torch.Tensor:
+    """[P] int64 seeds of a candidate pool, UniformInt[0, 2^31 − 1) (Sol-RL); a larger pool extends a smaller one."""
+    return torch.randint(0, MAX_SEED, (pool_size,), generator=generator, dtype=torch.int64)

@@ -41,6 +41,7 @@ from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
 from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.runs import RunFolder, step_metrics, train_loop
+from flowrl.samplers.candidates import candidate_metrics
 from flowrl.scoring import Scorer, balance, build_rewards, rollout_and_score
 from flowrl.types import Rollout, select_cond
 
@@ -212,11 +213,14 @@ class GRPOTrainer:
         batch = self.prompt_sampler.local_batch(self.step, acc.process_index, acc.num_processes)
 
         # 2. Rollout (in chunks) and 3. Score (overlapping the next chunk in a worker thread)
-        rollout, local, rollout_s = rollout_and_score(self.sampler, model, batch, self.scorer, t.num_rollout_batches, self.step)
+        rollout, local, rollout_s = rollout_and_score(
+            self.sampler, model, batch, self.scorer, t.num_rollout_batches, self.step, self.weights
+        )
 
         # 4. Gather and 5. Balance: advantages [N] of this process's samples, failed samples kept out
         local_adv, keep, metrics, errors = balance(acc, local, batch, self.balancer, self.weights)
         self.counters["reward_errors"] += errors
+        metrics.update(candidate_metrics(rollout))
         if t.filter_zero_std:
             keep &= local_adv != 0
 

@@ -41,6 +41,7 @@ from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
 from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.runs import RunFolder, step_metrics, train_loop
+from flowrl.samplers.candidates import candidate_metrics
 from flowrl.scoring import Scorer, balance, build_rewards, rollout_and_score
 from flowrl.types import select_cond
 
@@ -149,8 +150,9 @@ class NFTTrainer:
         # 2. Rollout with the sampling policy θ_old and 3. Score (overlapping the next chunk in a worker thread)
         with model.using_adapter(OLD):
             rollout, local, rollout_s = rollout_and_score(
-                self.sampler, model, batch, self.scorer, t.num_rollout_batches, self.step
+                self.sampler, model, batch, self.scorer, t.num_rollout_batches, self.step, self.weights
             )
+        sampler_metrics = candidate_metrics(rollout)
         x0 = rollout.latents[:, -1].to(acc.device)  # [N, *latent_shape]: the clean endpoints, all NFT keeps
         sigmas, cond = rollout.sigmas.to(acc.device), rollout.cond  # [T+1]; rows [N]
         del rollout
@@ -158,6 +160,7 @@ class NFTTrainer:
         # 4. Gather and 5. Balance: advantages [N] of this process's samples, failed samples kept out
         advantages, keep, metrics, errors = balance(acc, local, batch, self.balancer, self.weights)
         self.counters["reward_errors"] += errors
+        metrics.update(sampler_metrics)
 
         # 6. Optimise, then the soft update of the sampling policy
         tic = time.perf_counter()

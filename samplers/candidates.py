@@ -1,0 +1,242 @@
+"""Candidate pools (Sol-RL, arXiv 2604.06916; CachedSearch): explore many seeds cheaply, regenerate a few exactly.
+
+    sampler = CandidatesSampler(pool_size=16, selection="best_worst", num_steps=10,
+                                preview_backend="fake_nvfp4+few_step", preview_num_steps=6, full={"name": "ode"})
+    rollout = sampler(model, batch, score_fn=score_fn)  # batch: whole groups of G samples; G of each pool kept
+
+Per prompt group (docs/recipes/candidates.md):
+  1. Pool      P seeds drawn from the group's seed (flowrl.seeds.pool_seeds)
+  2. Preview   a copy of the live policy at the preview backend (flowrl.quant.build_preview: the active LoRA
+               merged, linears fake-quantized / int8, cache hooks), built afresh every call so it follows the
+               latest optimizer step; one deterministic ODE run of the group's pool at `preview_num_steps` (with
+               `few_step`, else `num_steps`), decoded and scored by the trainer's `score_fn`
+  3. Select    G of the P seeds by the preview scores (flowrl.ranking.select_indices: best_worst, top, ...)
+  4. Regenerate the G selected seeds with the full sampler (any registered one: ODE for NFT, SDE for GRPO), at
+               full precision and `num_steps`, from the same initial noise; the trainer scores these as usual
+The Rollout is the full sampler's (one row per batch sample, the group's rows taking its selected seeds in pool
+order); the preview only ranks, its samples are dropped. Extras, one row per sample: seeds (the selected ones),
+preview_scores, full_scores (score_fn on the regenerated images, when `score_full`), pool_seeds [N, P],
+pool_preview_scores [N, P], pool_index, preview_seconds and full_seconds (the call's time spread over its rows).
+`candidate_metrics(rollout)` turns them into the step's `candidates/...` metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from flowrl import sde
+from flowrl.quant import DEFAULT_SKIP, PreviewSpec, build_preview, parse_backend
+from flowrl.ranking import bottom_intrusion, kendall, nanmedian, select_indices, spearman, topk_overlap
+from flowrl.registry import SAMPLERS
+from flowrl.samplers.sde import batch_seeds, latent_seeds, resolve_size
+from flowrl.seeds import pool_generator, pool_seeds, sample_generators
+from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
+
+SHARED = ("num_steps", "height", "width", "num_frames", "guidance_scale", "negative_prompt", "decode")
+
+
+@contextlib.contextmanager
+def previewing(model: FlowModel, preview: torch.nn.Module):
+    """`model.velocity` runs the preview transformer inside the block (the pipeline's reference too, for families
+    whose adapter calls `pipe.transformer`)."""
+    original, pipe = model.transformer, getattr(model, "pipe", None)
+    swap_pipe = pipe is not None and getattr(pipe, "transformer", None) is original
+    model.transformer = preview
+    if swap_pipe:
+        pipe.transformer = preview
+    try:
+        yield
+    finally:
+        model.transformer = original
+        if swap_pipe:
+            pipe.transformer = original
+
+
+@SAMPLERS.register("candidates")
+@dataclass
+class CandidatesSampler:
+    """Two-stage rollouts: a cheap preview of a seed pool per prompt, the selected seeds regenerated exactly."""
+
+    whole_groups: ClassVar[bool] = True  # a group's pool and its selection live on one process
+
+    pool_size: int = 8
+    """P seeds explored per prompt (Sol-RL: 96); the group size G of the data config is how many are kept."""
+    selection: str = "best_worst"
+    """best_worst (Sol-RL), top, mean_deviation, extremes_random or random (flowrl.ranking.select_indices)."""
+    num_steps: int = 10
+    """Steps of the full-precision regeneration (handed to the full sampler)."""
+    preview_backend: str | list[str] = "fake_nvfp4+few_step"
+    """'+'-joined preview backends (flowrl.quant.BACKENDS): fake_nvfp4, fake_mxfp4, fake_fp8, nvfp4, fp8, int8,
+    bf16 (at most one of these), few_step (preview_num_steps), cached (diffusers cache hooks, preview_cache)."""
+    preview_num_steps: int = 6
+    """Preview ODE steps with `few_step` (Sol-RL: 6 of 10), on the model's own grid family."""
+    preview_skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    """Linears whose name contains one of these stay at full precision (embedders, the final layer)."""
+    preview_min_features: int = 0
+    """Linears with max(in, out) <= this stay at full precision (Sol-RL on SANA: 2240)."""
+    preview_cache: dict = field(default_factory=lambda: {"type": "first_block", "threshold": 0.2})
+    """The `cached` backend's diffusers cache: type first_block, mag or taylorseer, plus that config's arguments."""
+    full: dict = field(default_factory=lambda: {"name": "ode"})
+    """The stage-2 sampler: `name` (any registered sampler but candidates and tree) and its own arguments."""
+    score_full: bool = True
+    """Score the regenerated samples with score_fn too (the rollout's full_scores, the rank metrics)."""
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    guidance_scale: float | None = None
+    """CFG scale of both stages; None = the family's default (NFT needs 1)."""
+    negative_prompt: str = ""
+    decode: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pool_size < 1 or self.num_steps < 1 or self.preview_num_steps < 1:
+            raise ValueError(
+                f"pool_size={self.pool_size}, num_steps={self.num_steps} and preview_num_steps={self.preview_num_steps} "
+                "must be >= 1"
+            )
+        select_indices(torch.zeros(2), 1, self.selection)  # validates the name
+        self.spec = PreviewSpec(
+            parse_backend(self.preview_backend), tuple(self.preview_skip), self.preview_min_features, dict(self.preview_cache)
+        )
+        spec = dict(self.full or {})
+        name = spec.pop("name", None)
+        if name is None or name in ("candidates", "tree"):
+            raise ValueError(
+                f"sampler.full.name={name!r}: name the stage-2 sampler (ode for NFT, sde for GRPO); candidates and tree "
+                "cannot regenerate independent seeds"
+            )
+        for key in SHARED:
+            if key in spec:
+                raise ValueError(f"sampler.full.{key}: set {key} on the candidates sampler (both stages share it)")
+        if spec.get("same_latent"):
+            raise ValueError("sampler.full.same_latent=true: regenerated seeds need their own initial noise; drop it")
+        self.full_sampler = SAMPLERS.get(name)(**spec, **{k: getattr(self, k) for k in SHARED})
+
+    @property
+    def few_step(self) -> bool:
+        return "few_step" in self.spec.backends
+
+    # -- stage 1 ------------------------------------------------------------------------------------------
+    def _preview(self, model: FlowModel, latents, cond, guidance: float, size) -> torch.Tensor:
+        """Clean endpoints [P, ...] of one pool by the deterministic ODE, with the preview transformer in place."""
+        steps = self.preview_num_steps if self.few_step else self.num_steps
+        sigmas = model.sigmas(steps, *size).to(model.device)  # [P+1]
+        cached = "cached" in self.spec.backends
+        bf16 = self.spec.precision == "bf16"
+        if cached:
+            model.transformer._reset_stateful_cache()
+        x = latents.float()
+        for k in range(steps):
+            context = model.transformer.cache_context("cond", step_index=k, num_inference_steps=steps) if cached else None
+            with context or contextlib.nullcontext():
+                with torch.autocast(model.device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
+                    v = model.velocity(x, sigmas[k], cond, guidance)
+            x, _, _, _ = sde.sde_step(v.float(), x, sigmas[k], sigmas[k + 1], "ode", 0.0)
+        return x
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        model: FlowModel,
+        batch: PromptBatch,
+        generator: torch.Generator | None = None,
+        score_fn: ScoreFn | None = None,
+        step: int = 0,
+    ) -> Rollout:
+        if score_fn is None:
+            raise ValueError("sampler 'candidates' ranks its pools with the trainer's score_fn; call it with score_fn=...")
+        tic = time.perf_counter()
+        # 1. Pools: one per prompt group, from the group's seed
+        guidance = self.guidance_scale if self.guidance_scale is not None else model.default_guidance_scale
+        seeds = batch_seeds(batch, generator)
+        group_seeds = latent_seeds(batch, seeds, same_latent=True)  # [N] the group's seed on each of its rows
+        groups: dict[int, list[int]] = {}
+        for row, gid in enumerate(batch.group_ids.cpu().tolist()):
+            groups.setdefault(gid, []).append(row)
+        for gid, rows in groups.items():
+            if len(rows) > self.pool_size:
+                raise ValueError(
+                    f"candidates sampler: group {gid} keeps {len(rows)} samples (data.group_size) of a pool of "
+                    f"{self.pool_size}; set sampler.pool_size >= data.group_size"
+                )
+        # 2. The preview model from the live weights, 3. each pool previewed and scored
+        size = resolve_size(self, model)
+        preview = build_preview(model.transformer, self.spec, model.family)
+        pools, images, prompts, metadata = [], [], [], []
+        for rows in groups.values():
+            pool_gen = pool_generator(int(group_seeds[rows[0]]))
+            pool = pool_seeds(pool_gen, self.pool_size)  # [P]
+            first = rows[0]
+            group_prompts, group_meta = [batch.prompts[first]] * self.pool_size, [batch.metadata[first]] * self.pool_size
+            cond = model.encode(group_prompts, self.negative_prompt, guidance)
+            latents = model.prepare_latents(self.pool_size, *size[:2], sample_generators(pool, model.device), size[2])
+            with previewing(model, preview):
+                x0 = self._preview(model, latents, cond, guidance, size)
+            pools.append((rows, pool, pool_gen))
+            images.append(model.decode(x0))
+            prompts += group_prompts
+            metadata += group_meta
+        del preview
+        scores = score_fn(torch.cat(images), prompts, metadata).detach().float().cpu().reshape(len(groups), self.pool_size)
+        # 4. Selection: the group's G rows take its selected seeds in pool order
+        selected = torch.empty(len(seeds), dtype=torch.int64)  # [N] pool index of each row
+        pool_table = torch.empty(len(seeds), self.pool_size, dtype=torch.int64)  # [N, P]
+        pool_scores = torch.empty(len(seeds), self.pool_size)  # [N, P]
+        for g, (rows, pool, pool_gen) in enumerate(pools):
+            chosen = select_indices(scores[g], len(rows), self.selection, generator=pool_gen)
+            selected[rows], pool_table[rows], pool_scores[rows] = torch.tensor(chosen), pool, scores[g]
+        regen_seeds = pool_table.gather(1, selected[:, None])[:, 0]  # [N]
+        preview_s = time.perf_counter() - tic
+        # 5. Stage 2: the selected seeds regenerated at full precision by the full sampler
+        tic = time.perf_counter()
+        regen = PromptBatch(list(batch.prompts), batch.group_ids, list(batch.metadata), regen_seeds, batch.global_index)
+        rollout = self.full_sampler(model, regen, score_fn=score_fn, step=step)
+        full_s = time.perf_counter() - tic
+        n = len(seeds)
+        rollout.extras.update(
+            {
+                "seeds": regen_seeds,
+                "preview_scores": pool_scores.gather(1, selected[:, None])[:, 0],
+                "pool_seeds": pool_table,
+                "pool_preview_scores": pool_scores,
+                "pool_index": selected,
+                "preview_seconds": torch.full((n,), preview_s / n),
+                "full_seconds": torch.full((n,), full_s / n),
+            }
+        )
+        if self.score_full and self.decode:
+            full = score_fn(rollout.images, rollout.prompts, rollout.metadata).detach().float().cpu()
+            rollout.extras["full_scores"] = full
+        return rollout
+
+
+def candidate_metrics(rollout: Rollout) -> dict[str, float]:
+    """The step's `candidates/...` metrics from a candidates rollout ({} for any other): per prompt group, preview
+    vs full-precision scores of its regenerated samples (Spearman, Kendall, top-k overlap and bottom intrusion
+    with k = G // 2), medians over groups; the share of rollout time spent in previews."""
+    extras = rollout.extras
+    if "preview_seconds" not in extras:
+        return {}
+    preview_s, full_s = float(extras["preview_seconds"].sum()), float(extras["full_seconds"].sum())
+    metrics = {"candidates/preview_share": preview_s / max(preview_s + full_s, 1e-12)}
+    if "full_scores" not in extras:
+        return metrics
+    group_ids = rollout.group_ids.cpu()
+    stats: dict[str, list[float]] = {"spearman": [], "kendall": [], "topk_overlap": [], "bottom_intrusion": []}
+    for gid in group_ids.unique().tolist():
+        rows = (group_ids == gid).nonzero().flatten()
+        p, f = extras["preview_scores"][rows], extras["full_scores"][rows]
+        k = max(len(rows) // 2, 1)
+        stats["spearman"].append(spearman(p, f))
+        stats["kendall"].append(kendall(p, f))
+        stats["topk_overlap"].append(topk_overlap(p, f, k))
+        stats["bottom_intrusion"].append(bottom_intrusion(p, f, k))
+    metrics.update({f"candidates/{name}": nanmedian(values) for name, values in stats.items()})
+    full, preview = extras["full_scores"], extras["preview_scores"]
+    metrics["candidates/preview_minus_full"] = float((preview - full).mean())
+    return metrics

@@ -13,6 +13,7 @@ ADAPTERS = {
     "FluxPipeline": ("flowrl.models.flux", "FluxFlowModel"),
     "SanaPipeline": ("flowrl.models.sana", "SanaFlowModel"),
     "WanPipeline": ("flowrl.models.wan", "WanFlowModel"),
+    "QwenImagePipeline": ("flowrl.models.qwen_image", "QwenImageFlowModel"),
 }
 
 DTYPES = {

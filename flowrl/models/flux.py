@@ -10,20 +10,16 @@ import numpy as np
 import torch
 
 from flowrl.models.lora import JOINT_ATTENTION_TARGETS
-from flowrl.models.pipeline import PipelineFlowModel
+from flowrl.models.pipeline import PackedLatentsMixin, PipelineFlowModel
 from flowrl.types import Cond
 
 
-class FluxFlowModel(PipelineFlowModel):
+class FluxFlowModel(PackedLatentsMixin, PipelineFlowModel):
     family = "flux"
     pipeline_classes = ("FluxPipeline",)
     max_sequence_length = 512  # the pipeline's default
     default_guidance_scale = 3.5
     lora_target_modules = JOINT_ATTENTION_TARGETS
-
-    def __init__(self, pipe, device="cpu", dtype=torch.float32):
-        super().__init__(pipe, device, dtype)
-        self._grid_by_seq_len: dict[int, tuple[int, int]] = {}  # token count -> packed (h, w), for image ids
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         return False
@@ -38,43 +34,10 @@ class FluxFlowModel(PipelineFlowModel):
         )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # [N, L, D], [N, P]
 
-    def size_factor(self) -> int:
-        return self.pipe.vae_scale_factor * 2
-
-    def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
-        f = self.pipe.vae_scale_factor * 2
-        return 2 * (height // f), 2 * (width // f)
-
-    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        h, w = self._latent_hw(height, width)
-        seq_len = (h // 2) * (w // 2)
-        self._grid_by_seq_len[seq_len] = (h // 2, w // 2)
-        return (seq_len, self.transformer.config.in_channels)  # packed tokens [L, 4C]
-
-    def image_seq_len(self, height: int, width: int, num_frames: int | None = None) -> int:
-        return self.latent_shape(height, width)[0]
-
-    def _noise_shape(self, num, height, width, num_frames):
-        h, w = self._latent_hw(height, width)
-        self.latent_shape(height, width)
-        return (num, self.transformer.config.in_channels // 4, h, w)
-
-    def _pack(self, noise: torch.Tensor) -> torch.Tensor:
-        n, c, h, w = noise.shape
-        return self.pipe._pack_latents(noise, n, c, h, w)
-
     def custom_sigmas(self, num_steps: int) -> list[float] | None:
         if self.pipe.scheduler.config.get("use_flow_sigmas", False):
             return None
         return np.linspace(1.0, 1 / num_steps, num_steps).tolist()
-
-    def _grid(self, seq_len: int) -> tuple[int, int]:
-        if seq_len in self._grid_by_seq_len:
-            return self._grid_by_seq_len[seq_len]
-        side = int(round(seq_len**0.5))
-        if side * side != seq_len:
-            raise ValueError(f"cannot infer the latent grid of {seq_len} FLUX tokens; call latent_shape(height, width) first")
-        return side, side
 
     def _velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance_scale: float) -> torch.Tensor:
         from flowrl.sde import timesteps_from_sigmas
@@ -101,9 +64,6 @@ class FluxFlowModel(PipelineFlowModel):
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
-        gh, gw = self._grid(latents.shape[1])
-        f = self.pipe.vae_scale_factor
-        latents = self.pipe._unpack_latents(latents, gh * 2 * f, gw * 2 * f, f)
-        latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        latents = self._unpacked(latents).to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(latents, return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)  # [N, 3, H, W]

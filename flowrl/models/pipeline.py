@@ -1,6 +1,6 @@
 """The part every diffusers-backed adapter shares: loading, the prompt cache, LoRA, the reference switch.
 
-A family file (sd3.py, flux.py, sana.py, wan.py) subclasses `PipelineFlowModel` and writes only what its
+A family file (sd3.py, flux.py, sana.py, wan.py, qwen_image.py) subclasses `PipelineFlowModel` and writes only what its
 pipeline does differently: how prompts are encoded, how latents are laid out, how the transformer is
 called and how latents decode. Time arithmetic comes from `flowrl.sde`.
 """
@@ -158,6 +158,60 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
             self.pipe.load_lora_weights(str(path), adapter_name=adapter_name)
         else:
             self.pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=adapter_name)
+
+
+class PackedLatentsMixin:
+    """Latents as 2x2-packed tokens [L, 4C] (FLUX.1, Qwen-Image): the pipeline's `_pack_latents` layout.
+
+    A token sequence does not say its grid; `latent_shape(height, width)` records the (rows, columns) of each
+    sequence length it lays out, which the position ids and `decode` read back.
+    """
+
+    pipe: Any
+    transformer: torch.nn.Module
+
+    def size_factor(self) -> int:
+        return self.pipe.vae_scale_factor * 2
+
+    def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        f = self.pipe.vae_scale_factor * 2
+        return 2 * (height // f), 2 * (width // f)
+
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        h, w = self._latent_hw(height, width)
+        seq_len = (h // 2) * (w // 2)
+        self.__dict__.setdefault("_grid_by_seq_len", {})[seq_len] = (h // 2, w // 2)
+        return (seq_len, self.transformer.config.in_channels)  # packed tokens [L, 4C]
+
+    def image_seq_len(self, height: int, width: int, num_frames: int | None = None) -> int:
+        return self.latent_shape(height, width)[0]
+
+    def _noise_shape(self, num: int, height: int, width: int, num_frames: int | None) -> tuple[int, ...]:
+        h, w = self._latent_hw(height, width)
+        self.latent_shape(height, width)
+        return (num, self.transformer.config.in_channels // 4, h, w)
+
+    def _pack(self, noise: torch.Tensor) -> torch.Tensor:
+        n, (c, h, w) = noise.shape[0], noise.shape[-3:]
+        return self.pipe._pack_latents(noise, n, c, h, w)
+
+    def _grid(self, seq_len: int) -> tuple[int, int]:
+        """(rows, columns) of packed tokens for a sequence of `seq_len` tokens."""
+        known = self.__dict__.get("_grid_by_seq_len", {})
+        if seq_len in known:
+            return known[seq_len]
+        side = int(round(seq_len**0.5))
+        if side * side != seq_len:
+            raise ValueError(
+                f"cannot infer the latent grid of {seq_len} {self.family} tokens; call latent_shape(height, width) first"
+            )
+        return side, side
+
+    def _unpacked(self, latents: torch.Tensor) -> torch.Tensor:
+        """The pipeline's `_unpack_latents` of packed tokens [N, L, 4C] at their recorded grid."""
+        gh, gw = self._grid(latents.shape[1])
+        f = self.pipe.vae_scale_factor
+        return self.pipe._unpack_latents(latents, gh * 2 * f, gw * 2 * f, f)
 
 
 def validate_pipeline_folder(path: str | Path) -> Path:

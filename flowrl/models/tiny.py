@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("sd3", "flux", "sana", "wan")
+FAMILIES = ("sd3", "flux", "sana", "wan", "qwen_image")
 
 
 def _byte_unicode_table() -> list[str]:
@@ -62,6 +62,18 @@ def gemma_tokenizer(max_length: int = 64):
     chars = [chr(c) for c in range(32, 127)] + ["▁"]
     vocab = {tok: i for i, tok in enumerate(specials + chars)}
     tok = GemmaTokenizerFast(vocab=vocab, merges=[], model_max_length=max_length)
+    tok.padding_side = "right"
+    return tok
+
+
+def qwen2_tokenizer(max_length: int = 2048):
+    """A byte-level BPE Qwen2 tokenizer without merges (the byte alphabet) and Qwen's chat special tokens."""
+    from transformers import Qwen2Tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(_byte_unicode_table() + specials)}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=max_length)
+    tok.add_special_tokens({"additional_special_tokens": specials[1:]})
     tok.padding_side = "right"
     return tok
 
@@ -301,10 +313,80 @@ def build_wan(folder: Path) -> Path:
     return folder
 
 
-BUILDERS = {"sd3": build_sd3, "flux": build_flux, "sana": build_sana, "wan": build_wan}
+def build_qwen_image(folder: Path) -> Path:
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    tokenizer = qwen2_tokenizer()
+    pad, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    text = {"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2}
+    text_encoder = Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config={
+                **text,
+                "num_key_value_heads": 2,
+                "vocab_size": len(tokenizer),
+                "max_position_embeddings": 2048,
+                "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2], "rope_type": "default"},
+                "bos_token_id": pad,
+                "eos_token_id": eos,
+                "pad_token_id": pad,
+            },
+            vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
+            vocab_size=len(tokenizer),
+            bos_token_id=pad,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+    )
+    # 4-channel video VAE, 4x down (two stages); the transformer packs 2x2 of its latents per token
+    vae = AutoencoderKLQwenImage(
+        base_dim=4,
+        z_dim=4,
+        dim_mult=[1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0],
+        latents_std=[1.5, 0.8, 1.2, 2.0],
+    )
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        axes_dims_rope=(4, 6, 6),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's scheduler settings
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=8192,
+        max_shift=0.9,
+        shift=1.0,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+        use_dynamic_shifting=True,
+    )
+    pipe = QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+    pipe.save_pretrained(folder)
+    return folder
+
+
+BUILDERS = {"sd3": build_sd3, "flux": build_flux, "sana": build_sana, "wan": build_wan, "qwen_image": build_qwen_image}
 
 # A size each tiny family runs at (height, width, num_frames) — divisible by its latent factors.
-TINY_SIZES = {"sd3": (32, 32, None), "flux": (32, 32, None), "sana": (32, 32, None), "wan": (16, 16, 5)}
+TINY_SIZES = {
+    "sd3": (32, 32, None),
+    "flux": (32, 32, None),
+    "sana": (32, 32, None),
+    "wan": (16, 16, 5),
+    "qwen_image": (32, 32, None),
+}
 
 
 def build_tiny_pipeline(family: str, folder: str | Path) -> Path:

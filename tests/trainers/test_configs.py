@@ -19,6 +19,7 @@ REAL = {
     "flux-nft": "configs/flux/nft_hpsv2.yaml",
     "flux-branchgrpo": "configs/flux/branchgrpo_hpsv2.yaml",
     "wan-branchgrpo": "configs/wan/branchgrpo_video.yaml",
+    "qwen_image": "configs/qwen_image/grpo_pickscore.yaml",
 }
 
 

@@ -93,19 +93,27 @@ class WeightedSumBalancer:
     """'global' (Flow-GRPO, DiffusionNFT) or 'group' (DanceGRPO) std in the denominator; 'none' only centres (RAM)."""
     eps: float = 1e-4
     """Added to the std in the denominator (1e-4 Flow-GRPO / DiffusionNFT, 1e-8 DanceGRPO)."""
-    unbiased: bool = False
+    use_unbiased_std: bool = False
     """Divide the variance by n − 1 (DanceGRPO) instead of n."""
     clip: float = 5.0
     """Advantages are clipped to [−clip, clip]."""
+    unbiased: bool | None = None
+    """Old name of use_unbiased_std (run configs written before the balancers shared one name), accepted as an alias."""
 
     def __post_init__(self):
+        if self.unbiased is not None:
+            if self.use_unbiased_std and not self.unbiased:
+                _fail("weighted_sum", "unbiased", self.unbiased, "contradicts use_unbiased_std=True; give only use_unbiased_std")
+            self.use_unbiased_std, self.unbiased = bool(self.unbiased), None
         if self.std not in ("global", "group", "none"):
             _fail("weighted_sum", "std", self.std, "must be 'global' (whole-batch std), 'group' (per-prompt std) or 'none'")
         _check_common(self, "weighted_sum")
 
     def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:
         total = _weighted_total(scores, weights)
-        advantages = group_advantages(total, group_ids, std=self.std, eps=self.eps, unbiased=self.unbiased, clip=self.clip)
+        advantages = group_advantages(
+            total, group_ids, std=self.std, eps=self.eps, unbiased=self.use_unbiased_std, clip=self.clip
+        )
         return Balance(advantages, _all_true(total.numel()), None, _total_metrics(total, group_ids))
 
 
@@ -304,3 +312,55 @@ class TailBalancer:
         total = _weighted_total(scores, weights)
         advantages = tail_advantages(total, group_ids).clamp(-self.clip, self.clip)
         return Balance(advantages, _all_true(total.numel()), None, _total_metrics(total, group_ids))
+
+
+MARBLE_FORMS = ("full", "amortized")
+
+
+@BALANCERS.register("marble")
+@dataclass
+class MarbleBalancer:
+    """MARBLE (arXiv 2605.06507): one advantage row per reward, A_k = z-score of r_k per prompt group; the trainer
+    balances the K per-reward gradients (flowrl/marble.py), so `advantages` here is only Σ_k ᾱ_k A_k with the α the
+    trainer holds (uniform until it learns one). Weights do not act: each gradient is normalized before the QP."""
+
+    form: str = "amortized"
+    """'full': K backward passes per optimizer step, α from the min-norm QP every step; 'amortized' (NFT only): α
+    refreshed every `refresh_every` optimizer steps, EMA-smoothed, one backward on Σ ᾱ_k A_k in between."""
+    std: str = "group"
+    """'group' (per-prompt std, MARBLE's tracker) or 'global' (the batch std of each reward)."""
+    eps: float = 1e-4
+    """Added to each reward's std."""
+    use_unbiased_std: bool = False
+    """Divide the variance by n − 1 instead of n."""
+    refresh_every: int = 10
+    """N of the amortized form: the full QP every N optimizer steps (10 in the paper; 20 degrades)."""
+    alpha_ema: float = 0.7
+    """ρ of ᾱ_t = ρ·ᾱ_{t−1} + (1 − ρ)·α*_t (0.7 best of {0.1, 0.3, 0.5, 0.7, 0.9})."""
+
+    def __post_init__(self):
+        if self.form not in MARBLE_FORMS:
+            _fail("marble", "form", self.form, "must be 'full' (QP every step) or 'amortized' (QP every refresh_every steps)")
+        if self.std not in ("global", "group"):
+            _fail("marble", "std", self.std, "must be 'group' (per-prompt std) or 'global' (batch std)")
+        _check_common(self, "marble")
+        if not (isinstance(self.refresh_every, int) and self.refresh_every >= 1):
+            _fail("marble", "refresh_every", self.refresh_every, "must be an integer >= 1 (10 in the paper)")
+        if not 0 <= self.alpha_ema < 1:
+            _fail("marble", "alpha_ema", self.alpha_ema, "must be in [0, 1) (0.7 in the paper)")
+        self.alpha: torch.Tensor | None = None  # ᾱ [K], set by the trainer's gradient balancing
+
+    def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:
+        stacked = _stack(scores)
+        per_reward = torch.stack(
+            [
+                group_advantages(r, group_ids, std=self.std, eps=self.eps, unbiased=self.use_unbiased_std, clip=None)
+                for r in stacked
+            ]
+        )
+        k = per_reward.shape[0]
+        alpha = self.alpha if self.alpha is not None else torch.full((k,), 1.0 / k)
+        advantages = (alpha.float()[:, None] * per_reward).sum(0)
+        no_signal = _no_signal(stacked, group_ids)
+        metrics = _decoupled_metrics(list(scores), stacked, group_ids, no_signal)
+        return Balance(advantages, _all_true(advantages.numel()), per_reward, metrics)

@@ -58,6 +58,11 @@ def _self_normalised_x0_loss(x_t: torch.Tensor, v: torch.Tensor, x0: torch.Tenso
     return ((x0_hat - x0) ** 2).mean(dims).double().div(weight).float()
 
 
+def velocity_kl(v_theta: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
+    """DiffusionNFT's KL to the reference per sample: mean over elements of (v_θ − sg(v_ref))². [n]"""
+    return ((v_theta.float() - v_ref.detach().float()) ** 2).mean(tuple(range(1, v_theta.ndim)))
+
+
 def nft_loss(
     v_theta: torch.Tensor,
     v_old: torch.Tensor,
@@ -83,11 +88,7 @@ def nft_loss(
     positive = _self_normalised_x0_loss(x_t, nft_beta * v_theta + (1 - nft_beta) * v_old, x0, sigma)  # [n]
     negative = _self_normalised_x0_loss(x_t, (1 + nft_beta) * v_old - nft_beta * v_theta, x0, sigma)  # [n]
     policy = (adv_clip_max / nft_beta) * (r * positive + (1 - r) * negative)  # [n]
-    kl = (
-        ((v_theta - v_ref.detach().float()) ** 2).mean(tuple(range(1, x0.ndim)))
-        if v_ref is not None
-        else torch.zeros_like(policy)
-    )
+    kl = velocity_kl(v_theta, v_ref) if v_ref is not None else torch.zeros_like(policy)
     stats = {
         "policy_loss": policy.detach(),
         "kl": kl.detach(),

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from flowrl.advantages import group_advantages
 from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_scores, score_checked
 from flowrl.types import Rollout
@@ -174,10 +175,23 @@ def balance(accelerator, local: Scores, batch, balancer, weights: dict[str, floa
 
     Returns (this process's advantages [N], keep [N] = not failed and kept by the balancer's mask, metrics,
     reward error count)."""
+    advantages, _, keep, metrics, errors = balance_per_reward(accelerator, local, batch, balancer, weights)
+    return advantages, keep, metrics, errors
+
+
+def balance_per_reward(accelerator, local: Scores, batch, balancer, weights: dict[str, float]):
+    """`balance`, with this process's per-reward advantages [K, N] beside the advantages (rows in reward order; 0 for
+    failed samples): the balancer's own rows where it has them (gdpo, gd2po, sa_mrpo, marble), else each reward's
+    group z-score (population std, eps 1e-4). Returns (advantages, per_reward, keep, metrics, reward error count)."""
     scores, failed, group_ids, errors = gather_scores(accelerator, local, batch.group_ids)
     out = balancer(scores, group_ids, weights)  # Balance over [B*G]
     advantages = torch.where(failed, torch.zeros_like(out.advantages), out.advantages)
+    per_reward = out.per_reward
+    if per_reward is None:
+        per_reward = torch.stack([group_advantages(s, group_ids, std="group", eps=1e-4, clip=None) for s in scores.values()])
+    per_reward = torch.where(failed[None], torch.zeros_like(per_reward), per_reward)
     keep = ~failed & out.keep
     metrics = dict(out.metrics)
     metrics.update(reward_metrics(scores, failed))
-    return advantages[batch.global_index], keep[batch.global_index], metrics, errors
+    index = batch.global_index
+    return advantages[index], per_reward[:, index], keep[index], metrics, errors

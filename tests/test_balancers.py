@@ -31,7 +31,7 @@ def test_gdpo_worked_example_by_hand():
     torch.testing.assert_close(out.advantages, torch.tensor([-a, a, -2 * a, 2 * a]) / scale)
     assert out.advantages[3] / out.advantages[1] == pytest.approx(2.0)  # group B keeps twice group A's advantage
     # sum-then-normalise collapses both groups to (−0.707, 0.707)
-    grpo = WeightedSumBalancer(std="group", eps=1e-4, unbiased=True)(scores, groups, {})
+    grpo = WeightedSumBalancer(std="group", eps=1e-4, use_unbiased_std=True)(scores, groups, {})
     b = 1.0 / (math.sqrt(2.0) + 1e-4)  # totals (0, 2): ±1 / (unbiased std sqrt(2) + eps)
     torch.testing.assert_close(grpo.advantages, torch.tensor([-a, a, -b, b]))
 

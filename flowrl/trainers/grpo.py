@@ -36,13 +36,14 @@ from flowrl.config import RunConfig, dump_config, to_dict
 from flowrl.distributed import make_accelerator
 from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import clipped_policy_loss
+from flowrl.marble import RewardGradients
 from flowrl.models import build_policy
 from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
 from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.runs import RunFolder, step_metrics, train_loop
 from flowrl.samplers.candidates import candidate_metrics
-from flowrl.scoring import Scorer, balance, build_rewards, rollout_and_score
+from flowrl.scoring import Scorer, balance_per_reward, build_rewards, rollout_and_score
 from flowrl.types import Rollout, select_cond
 
 
@@ -200,6 +201,11 @@ class GRPOTrainer:
         self.weights = {r.name: r.weight for r in cfg.rewards}
         self.scorer = Scorer(self.rewards, cfg.on_reward_error, t.use_async_rewards)
         self.balancer = BALANCERS.get(cfg.balancer.name)(**cfg.balancer.kwargs)
+        marble = self.balancer if cfg.balancer.name == "marble" else None
+        if marble is not None and cfg.sampler.name == "tree":
+            raise ValueError("balancer marble trains per-sample advantages; the tree sampler's are per edge: use sampler sde")
+        # MARBLE's full form only: the clipped ratio loss is not affine in the advantage (RewardGradients says so)
+        self.reward_grads = RewardGradients(marble, self.opt, acc, list(self.rewards), False, None, False)
         self.evaluation = TrainingEvaluation(cfg, acc, self.run, self.model, self.rewards, self.opt, self.ema)
         self.step = 0
         self.counters = {"reward_errors": 0}
@@ -218,7 +224,7 @@ class GRPOTrainer:
         )
 
         # 4. Gather and 5. Balance: advantages [N] of this process's samples, failed samples kept out
-        local_adv, keep, metrics, errors = balance(acc, local, batch, self.balancer, self.weights)
+        local_adv, per_reward, keep, metrics, errors = balance_per_reward(acc, local, batch, self.balancer, self.weights)
         self.counters["reward_errors"] += errors
         metrics.update(candidate_metrics(rollout))
         if t.filter_zero_std:
@@ -226,7 +232,7 @@ class GRPOTrainer:
 
         # 6. Optimise (eval mode kept: the recomputed log-probs must equal the rollout's on the first pass)
         tic = time.perf_counter()
-        metrics.update(self._optimise(rollout, local_adv.to(acc.device), keep.to(acc.device)))
+        metrics.update(self._optimise(rollout, local_adv.to(acc.device), keep.to(acc.device), per_reward.to(acc.device)))
         optimise_s = time.perf_counter() - tic
 
         # 7. Log
@@ -236,11 +242,12 @@ class GRPOTrainer:
         self.step += 1
         return metrics
 
-    def _optimise(self, rollout: Rollout, advantages: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
+    def _optimise(self, rollout: Rollout, advantages: torch.Tensor, keep: torch.Tensor, per_reward: torch.Tensor) -> dict:
         """Clipped ratio loss (+ β KL) over each sample's trained transitions; every sample weighs 1 / (its
         transition count) within the minibatch's kept samples, averaged over the accumulated minibatches. The
-        leaves of a tree share its edges: each edge of a tree weighs 1 / (the tree's mean edge count per leaf)."""
-        t, acc, model = self.cfg.train, self.accelerator, self.model
+        leaves of a tree share its edges: each edge of a tree weighs 1 / (the tree's mean edge count per leaf).
+        MARBLE (per_reward [K, N]): each reward's clipped loss backpropagated on its own, the KL outside them."""
+        t, acc, model, grads = self.cfg.train, self.accelerator, self.model, self.reward_grads
         n = self.local_n
         gen = seed_formulas.step_generator(self.cfg.seed, self.step)
         credit = transition_advantages(rollout, advantages, keep, t, self.step, self.cfg.num_steps)
@@ -259,6 +266,7 @@ class GRPOTrainer:
             for m in range(t.num_minibatches):
                 if m % accum == 0:
                     window = len(stats["loss"])  # this optimizer step's losses start here
+                    grads.plan(per_reward[:, order[m * mb : (m + accum) * mb].to(acc.device)])
                 rows = order[m * mb : (m + 1) * mb].tolist()
                 kept = max(int(keep[rows].sum()), 1)
                 depth = max((len(steps[i]) for i in rows), default=0)  # a tree row may own no trained edge
@@ -283,8 +291,16 @@ class GRPOTrainer:
                     old = rollout.log_probs[index, k]
                     policy_loss, s = clipped_policy_loss(log_prob, old, credit.advantages[index, k], t.clip_range)
                     per_sample = policy_loss + t.kl_coef * kl  # [b]
-                    loss = (per_sample * weight).sum() / kept / accum
-                    self.opt.backward(loss, boundary=j == depth - 1 and (m + 1) % accum == 0)
+                    boundary = j == depth - 1 and (m + 1) % accum == 0
+                    if grads.mode != "single":  # MARBLE: each reward's clipped loss on its own, the KL outside them
+
+                        def policy(a, log_prob=log_prob, old=old, weight=weight):
+                            return (clipped_policy_loss(log_prob, old, a, t.clip_range)[0] * weight).sum() / kept / accum
+
+                        kl_loss = t.kl_coef * (kl * weight).sum() / kept / accum if t.kl_coef > 0 else None
+                        grads.backward(policy, per_reward[:, index], kl_loss, boundary)
+                    if grads.single:
+                        self.opt.backward((per_sample * weight).sum() / kept / accum, boundary=boundary)
                     stats["loss"].append(per_sample.detach().mean())
                     stats["policy_loss"].append(policy_loss.detach().mean())
                     stats["kl"].append(kl.detach().mean())
@@ -292,8 +308,10 @@ class GRPOTrainer:
                         stats[key].append(s[key])
                     stats["clipped"].append(s["clipped"].float())
                 losses = stats["loss"][window:] or [torch.zeros((), device=acc.device)]
-                if (m + 1) % accum == 0 and self.opt.step(torch.stack(losses)) and self.ema is not None:
-                    self.ema.update(self.opt.params, self.opt.optimizer_steps)
+                if (m + 1) % accum == 0:
+                    grads.finish()  # MARBLE: the per-reward gradients combined into .grad
+                    if self.opt.step(torch.stack(losses)) and self.ema is not None:
+                        self.ema.update(self.opt.params, self.opt.optimizer_steps)
         ratio = torch.cat(stats["ratio"])
         return {
             "train/loss": float(torch.stack(stats["loss"]).mean()),
@@ -305,11 +323,13 @@ class GRPOTrainer:
             "train/ratio_min": float(ratio.min()),
             "train/ratio_max": float(ratio.max()),
             **self.opt.metrics(),
+            **grads.metrics(),
         }
 
     # ------------------------------------------------------------------------------------------ state
     def save(self):
         state = {"prompt_sampler_position": self.step * self.cfg.data.num_prompts_per_step, "counters": self.counters}
+        state["reward_gradients"] = self.reward_grads.state_dict()
         return save_training_state(
             self.accelerator,
             self.run.root,
@@ -325,6 +345,8 @@ class GRPOTrainer:
     def resume(self, path) -> None:
         state = restore_training_state(path, self.accelerator, self.opt, self.ema, to_dict(self.cfg))
         self.step, self.counters = int(state["step"]), dict(state["counters"])
+        if "reward_gradients" in state:  # MARBLE's α
+            self.reward_grads.load_state_dict(state["reward_gradients"])
         if self.accelerator.is_main_process:
             self.run.forget_after(self.step)
 

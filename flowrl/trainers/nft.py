@@ -35,14 +35,15 @@ from flowrl.checkpoint import restore_training_state, save_training_state
 from flowrl.config import RunConfig, dump_config, to_dict
 from flowrl.distributed import make_accelerator
 from flowrl.evaluation import TrainingEvaluation
-from flowrl.losses import ADV_MODES, nft_loss
+from flowrl.losses import ADV_MODES, nft_loss, velocity_kl
+from flowrl.marble import RewardGradients
 from flowrl.models import build_policy
 from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
 from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.runs import RunFolder, step_metrics, train_loop
 from flowrl.samplers.candidates import candidate_metrics
-from flowrl.scoring import Scorer, balance, build_rewards, rollout_and_score
+from flowrl.scoring import Scorer, balance_per_reward, build_rewards, rollout_and_score
 from flowrl.types import select_cond
 
 OLD = "old"  # the sampling policy's adapter name; the trained one is "default"
@@ -76,6 +77,9 @@ class NFTConfig(OptimizerConfig):
     use_async_rewards: bool = True
     ema_every_n_steps: int = 1
     """DiffusionNFT evaluates an EMA of θ updated after every optimizer step (decay 0.9)."""
+    log_reward_gradients: bool = False
+    """Also take every reward's own gradient each optimizer step (K extra backward passes) to log its cosine with the
+    update (`marble/cos/<reward>`, `marble/opposed`); MARBLE (balancer: marble) has them on its full steps anyway."""
 
 
 def old_policy_decay(decay_type: int, optimizer_steps: int, cap: float | None = None) -> float:
@@ -135,6 +139,11 @@ class NFTTrainer:
         self.weights = {r.name: r.weight for r in cfg.rewards}
         self.scorer = Scorer(self.rewards, cfg.on_reward_error, t.use_async_rewards)
         self.balancer = BALANCERS.get(cfg.balancer.name)(**cfg.balancer.kwargs)
+        marble = self.balancer if cfg.balancer.name == "marble" else None
+        if marble is not None and marble.form == "amortized" and t.adv_mode != "all":
+            raise ValueError(f"balancer marble form=amortized needs train.adv_mode='all' (r affine in A), not {t.adv_mode!r}")
+        args = (marble, self.opt, acc, list(self.rewards), True, t.adv_clip_max, t.log_reward_gradients)
+        self.reward_grads = RewardGradients(*args)  # per-reward gradients: MARBLE's balancing, or the probe
         self.evaluation = TrainingEvaluation(cfg, acc, self.run, self.model, self.rewards, self.opt, self.ema)
         self.step = 0
         self.counters = {"reward_errors": 0}
@@ -157,15 +166,16 @@ class NFTTrainer:
         sigmas, cond = rollout.sigmas.to(acc.device), rollout.cond  # [T+1]; rows [N]
         del rollout
 
-        # 4. Gather and 5. Balance: advantages [N] of this process's samples, failed samples kept out
-        advantages, keep, metrics, errors = balance(acc, local, batch, self.balancer, self.weights)
+        # 4. Gather and 5. Balance: advantages [N] (and per reward [K, N]) of this process's samples, failed kept out
+        advantages, per_reward, keep, metrics, errors = balance_per_reward(acc, local, batch, self.balancer, self.weights)
         self.counters["reward_errors"] += errors
         metrics.update(sampler_metrics)
 
         # 6. Optimise, then the soft update of the sampling policy
         tic = time.perf_counter()
         draws = seed_formulas.sample_generators(batch.seeds, "cpu", seed_formulas.TRAIN_STREAM)  # a sample's t and ε
-        metrics.update(self._optimise(x0, sigmas, cond, advantages.to(acc.device), keep.to(acc.device), draws))
+        adv = advantages.to(acc.device), per_reward.to(acc.device)
+        metrics.update(self._optimise(x0, sigmas, cond, adv, keep.to(acc.device), draws))
         decay = old_policy_decay(t.decay_type, self.opt.optimizer_steps, t.old_decay_max)
         model.soft_update_adapter(OLD, "default", decay)
         optimise_s = time.perf_counter() - tic
@@ -178,11 +188,14 @@ class NFTTrainer:
         self.step += 1
         return metrics
 
-    def _optimise(self, x0, sigmas, cond, advantages, keep, draws: list[torch.Generator]) -> dict[str, float]:
+    def _optimise(self, x0, sigmas, cond, adv, keep, draws: list[torch.Generator]) -> dict[str, float]:
         """The NFT loss at each sample's training times; the mean over the minibatch's kept samples, accumulated
         over its times and `gradient_accumulation_steps` minibatches per optimizer step. A sample's training times
-        and noises come from its own generator (`draws`), so they do not depend on the batch or process count."""
-        t, acc, model = self.cfg.train, self.accelerator, self.model
+        and noises come from its own generator (`draws`), so they do not depend on the batch or process count.
+        `adv` = (advantages [N], per-reward advantages [K, N]); with per-reward gradients (MARBLE, the probe) each
+        reward's policy loss is backpropagated on its own and the KL outside them (flowrl.marble.RewardGradients)."""
+        t, acc, model, grads = self.cfg.train, self.accelerator, self.model, self.reward_grads
+        advantages, per_reward = adv
         n = self.local_n
         gen = seed_formulas.step_generator(self.cfg.seed, self.step)
         mb, accum = n // t.num_minibatches, t.gradient_accumulation_steps
@@ -195,9 +208,11 @@ class NFTTrainer:
             for m in range(t.num_minibatches):
                 if m % accum == 0:
                     window = len(stats["loss"])  # this optimizer step's losses start here
+                    grads.plan(per_reward[:, order[m * mb : (m + accum) * mb].to(acc.device)])
                 rows = order[m * mb : (m + 1) * mb]
                 index = rows.to(acc.device)  # [b]
-                x0_b, adv_b, keep_b = x0[index], advantages[index], keep[index].float()  # [b, ...], [b], [b]
+                x0_b, keep_b, per_reward_b = x0[index], keep[index].float(), per_reward[:, index]  # [b, ...], [b], [K, b]
+                adv_b = grads.advantages(advantages[index], per_reward_b)  # [b]; MARBLE: Σ_k ᾱ_k A_k
                 kept, per_backward = max(int(keep_b.sum()), 1), accum * times.shape[1]  # mean over kept samples, times, accum
                 sub_cond = select_cond(cond, index)
                 for j in range(times.shape[1]):
@@ -214,20 +229,35 @@ class NFTTrainer:
                                 v_ref = model.velocity(x_t, sigma, sub_cond, self.guidance)
                     args = (t.adv_clip_max, t.nft_beta, t.kl_coef, t.adv_mode)
                     per_sample, s = nft_loss(v_theta, v_old, v_ref, x0_b, x_t, sigma, adv_b, *args)
-                    self.opt.backward(
-                        (per_sample * keep_b).sum() / kept / per_backward,
-                        boundary=j == times.shape[1] - 1 and (m + 1) % accum == 0,
-                    )
+                    boundary = j == times.shape[1] - 1 and (m + 1) % accum == 0
+                    if grads.mode != "single":  # each reward's policy loss on its own, the KL outside them
+
+                        def policy(a, v_theta=v_theta, v_old=v_old, x0_b=x0_b, x_t=x_t, sigma=sigma):
+                            loss, _ = nft_loss(v_theta, v_old, None, x0_b, x_t, sigma, a, *args[:2], 0.0, t.adv_mode)
+                            return (loss * keep_b).sum() / kept / per_backward
+
+                        kl = (
+                            t.kl_coef * (velocity_kl(v_theta, v_ref) * keep_b).sum() / kept / per_backward
+                            if v_ref is not None
+                            else None
+                        )
+                        grads.backward(policy, per_reward_b, kl, boundary)
+                    if grads.single:
+                        self.opt.backward((per_sample * keep_b).sum() / kept / per_backward, boundary=boundary)
                     stats["loss"].append(per_sample.detach().mean())
                     for key in ("policy_loss", "kl", "r", "positive_loss", "negative_loss"):
                         stats[key].append(s[key].mean())
-                if (m + 1) % accum == 0 and self.opt.step(torch.stack(stats["loss"][window:])) and self.ema is not None:
-                    self.ema.update(self.opt.params, self.opt.optimizer_steps)
-        return {f"train/{k}": float(torch.stack(v).mean()) for k, v in stats.items()} | self.opt.metrics()
+                if (m + 1) % accum == 0:
+                    grads.finish()  # MARBLE: the per-reward gradients combined into .grad
+                    if self.opt.step(torch.stack(stats["loss"][window:])) and self.ema is not None:
+                        self.ema.update(self.opt.params, self.opt.optimizer_steps)
+        out = {f"train/{k}": float(torch.stack(v).mean()) for k, v in stats.items()} | self.opt.metrics()
+        return out | grads.metrics()
 
     # ------------------------------------------------------------------------------------------ state
     def save(self):
         state = {"prompt_sampler_position": self.step * self.cfg.data.num_prompts_per_step, "counters": self.counters}
+        state["reward_gradients"] = self.reward_grads.state_dict()
         return save_training_state(
             self.accelerator,
             self.run.root,
@@ -245,6 +275,8 @@ class NFTTrainer:
         groups = {"adapter_old": self.old_params}
         state = restore_training_state(path, self.accelerator, self.opt, self.ema, to_dict(self.cfg), groups)
         self.step, self.counters = int(state["step"]), dict(state["counters"])
+        if "reward_gradients" in state:  # MARBLE's ᾱ and refresh clock
+            self.reward_grads.load_state_dict(state["reward_gradients"])
         if self.accelerator.is_main_process:
             self.run.forget_after(self.step)
 

@@ -115,3 +115,12 @@ def ram_target(
 def ram_loss(v_theta: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """mean((v_θ − target)²) per sample [n]; only v_θ carries a gradient."""
     return ((v_theta.float() - target.detach()) ** 2).mean(tuple(range(1, target.ndim)))
+
+
+def adjoint_matching_loss(residual: torch.Tensor, clip: float | None) -> torch.Tensor:
+    """Adjoint matching's per-sample term [n]: min(clip, Σ residual²) / D, the squared norm clipped per term (AM: clip
+    1.6·λ²; None = no clipping) and divided by the element count D (flowrl's mean reduction, Decision 8)."""
+    squared = residual.float().pow(2).flatten(1).sum(1)  # [n]
+    if clip is not None:
+        squared = squared.clamp(max=clip)
+    return squared / residual[0].numel()

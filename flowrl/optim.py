@@ -37,6 +37,7 @@ class OptimizerConfig:
     lr_warmup_steps: int = 0
     """Linear warm-up over this many optimizer steps, then constant."""
     max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off (the norm is still logged)."""
     max_consecutive_nan_steps: int = 3
     """A non-finite loss or gradient skips the optimizer step; this many in a row stops the run."""
     use_ema: bool = True
@@ -162,7 +163,8 @@ class OptimizerStep:
         if self.sharding.kind == "deepspeed":
             self.last_grad_norm = self.sharding.grad_norm()
         else:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+            limit = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")  # 0 = measure, no clipping
+            norm = torch.nn.utils.clip_grad_norm_(self.params, limit)
             self.last_grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -206,14 +206,14 @@ def timesteps_from_sigmas(sigmas: torch.Tensor, num_train_timesteps: int = 1000)
     return torch.as_tensor(sigmas, dtype=torch.float32) * num_train_timesteps
 
 
-def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
-    """DanceGRPO / BranchGRPO grid [T+1]: `shift(linspace(1, 0, T+1); s)` in float32 (docs/math.md#sigma-grids).
+def dance_sigmas(num_steps: int, shift: float, sigma_max: float = 1.0) -> torch.Tensor:
+    """DanceGRPO / BranchGRPO grid [T+1]: `shift(linspace(σ_max, 0, T+1); s)` in float32 (docs/math.md#sigma-grids).
 
-    s = 3 for FLUX, 5 for HunyuanVideo. Unlike diffusers' grid it is spaced over the whole [0, 1].
+    s = 3 for FLUX, 5 for HunyuanVideo, σ_max = 1 (< 1: adjoint matching's grid stops short of the singular σ = 1).
     """
-    if not (isinstance(num_steps, (int, np.integer)) and num_steps >= 1):
-        raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1")
-    return shift_sigmas(torch.linspace(1, 0, num_steps + 1), shift)  # [T+1]
+    if not (isinstance(num_steps, (int, np.integer)) and num_steps >= 1) or not 0 < sigma_max <= 1:
+        raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1 and sigma_max={sigma_max!r} in (0, 1]")
+    return shift_sigmas(torch.linspace(sigma_max, 0, num_steps + 1), shift)  # [T+1]
 
 
 # ---------------------------------------------------------------------------------------------------------

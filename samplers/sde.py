@@ -136,6 +136,8 @@ class SDESampler:
     """'model' (the pipeline's scheduler grid) or 'dance' (shift(linspace(1, 0, T+1)), DanceGRPO/BranchGRPO)."""
     sigma_shift: float = 3.0
     """Shift of the 'dance' grid."""
+    sigma_max: float = 1.0
+    """Where the 'dance' grid starts (< 1 stops short of pure noise: adjoint matching's offset)."""
     decode: bool = True
 
     def __post_init__(self) -> None:
@@ -150,6 +152,8 @@ class SDESampler:
             raise ValueError(f"sde_window_mode={self.sde_window_mode!r} must be 'random' or 'sliding'")
         if self.sigma_schedule not in ("model", "dance"):
             raise ValueError(f"sigma_schedule={self.sigma_schedule!r} must be 'model' or 'dance'")
+        if self.sigma_max != 1.0 and self.sigma_schedule != "dance":
+            raise ValueError(f"sigma_max={self.sigma_max} applies to sigma_schedule='dance' only; set sigma_schedule: dance")
         r0, r1 = self.window_range()
         if self.sde_window_size < 0 or (
             self.sde_window_size and not (0 <= r0 and r0 + self.sde_window_size <= r1 <= self.num_steps)
@@ -166,7 +170,7 @@ class SDESampler:
 
     def grid(self, model: FlowModel) -> torch.Tensor:
         if self.sigma_schedule == "dance":
-            return sde.dance_sigmas(self.num_steps, self.sigma_shift)
+            return sde.dance_sigmas(self.num_steps, self.sigma_shift, self.sigma_max)
         return model.sigmas(self.num_steps, *resolve_size(self, model))
 
     def noise_levels(self, seeds: torch.Tensor, step: int = 0) -> torch.Tensor:

@@ -10,17 +10,24 @@ from __future__ import annotations
 from pathlib import Path
 
 from flowrl import config as run_config
+from flowrl.trainers.adjoint import AdjointMatchingConfig, AdjointMatchingTrainer
 from flowrl.trainers.grpo import GRPOConfig, GRPOTrainer
 from flowrl.trainers.nft import NFTConfig, NFTTrainer
+from flowrl.trainers.ram import RAMConfig, RAMTrainer
 
-TRAINERS: dict[str, type] = {"grpo": GRPOTrainer, "nft": NFTTrainer}
+TRAINERS: dict[str, type] = {
+    "grpo": GRPOTrainer,
+    "nft": NFTTrainer,
+    "ram": RAMTrainer,
+    "adjoint_matching": AdjointMatchingTrainer,
+}
 DEFAULT_TRAINER = "grpo"
 
 
 def trainer_class(name: str) -> type:
     if name not in TRAINERS:
         raise run_config.ConfigError(
-            f"trainer={name!r} is not one of {', '.join(TRAINERS)}; set trainer: grpo (the default) or nft"
+            f"trainer={name!r} is not one of {', '.join(TRAINERS)}; set trainer: to one of them (grpo is the default)"
         )
     return TRAINERS[name]
 
@@ -40,11 +47,15 @@ def build_trainer(cfg: run_config.RunConfig, accelerator=None):
 
 
 __all__ = [
+    "AdjointMatchingConfig",
+    "AdjointMatchingTrainer",
     "TRAINERS",
     "GRPOConfig",
     "GRPOTrainer",
     "NFTConfig",
     "NFTTrainer",
+    "RAMConfig",
+    "RAMTrainer",
     "build_config",
     "build_trainer",
     "load_config",

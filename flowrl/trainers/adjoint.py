@@ -1,0 +1,254 @@
+"""Adjoint Matching: reward fine-tuning as stochastic optimal control, as one recipe over the shared components. The
+math is in docs/math.md#adjoint-matching, the recipe and its published settings in docs/recipes/adjoint_matching.md.
+
+    flowrl train configs/toy/adjoint_matching.yaml
+    accelerate launch scripts/train.py --config configs/sd3/adjoint_matching_imagereward.yaml
+
+The rollout is the memoryless SDE of the current model (sampler `sde`, kind `flow_grpo`, noise level √2, a grid
+that stops short of σ = 1); the reward must be differentiable. One training step:
+
+    # 1. Prompts    the step's B prompts, G seeds each; this process's slice of the B*G samples
+    # 2. Rollout    the memoryless SDE with the current weights, no gradient -> latents [N, T+1, ...]
+    # 3. Score      the weighted differentiable rewards of the decoded endpoints and their gradient ∇r(x_T)
+    # 4. Adjoint    ã_T = −λ·∇r(x_T), integrated backward along the trajectory with one VJP of the base model
+    #               (LoRA switched off, or a frozen copy with full fine-tuning) per step, in sample chunks
+    # 5. Times      every grid time with σ ≤ all_loss_times_below_sigma plus num_random_loss_times random others
+    # 6. Optimise   the regression ‖(2/σ_d)(v_θ − v_base) + …‖² at those times, each term clipped; step; EMA
+    # 7. Log/Eval   metrics.jsonl + trackers, eval every n steps, checkpoint every n steps
+
+Stages 3-6 are adjoint matching's own; prompts, rollout, optimizer, checkpoints and evaluation are components.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+
+from flowrl.checkpoint import resume_recipe, save_recipe
+from flowrl.config import RunConfig
+from flowrl.distributed import make_accelerator
+from flowrl.evaluation import TrainingEvaluation
+from flowrl.losses import adjoint_matching_loss
+from flowrl.models import build_policy
+from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
+from flowrl.prompts import step_batches
+from flowrl.registry import SAMPLERS
+from flowrl.runs import RunFolder, step_metrics, train_loop
+from flowrl.scoring import build_rewards
+from flowrl.sde_memoryless import MEMORYLESS_NOISE_LEVEL, adjoint_residual, lean_adjoint
+from flowrl.seeds import step_generator
+from flowrl.types import select_cond
+
+MEMORYLESS_SAMPLER = "sampler: {name: sde, kind: flow_grpo, noise_level: 1.4142135623730951, sigma_schedule: dance, sigma_shift: 1.0, sigma_max: 0.975}"
+
+
+@dataclass
+class AdjointMatchingConfig(OptimizerConfig):
+    reward_multiplier: float = 12500.0
+    """λ of the tilted target p_base·exp(λ·r); the terminal adjoint is −λ·∇r (AM: 12500 for ImageReward)."""
+    num_random_loss_times: int = 10
+    """Grid times drawn at random per step from those with σ > all_loss_times_below_sigma (AM: 10 of τ ≤ 0.725)."""
+    all_loss_times_below_sigma: float = 0.25
+    """Every grid time with 0 < σ ≤ this is in the loss (AM: all τ ≥ 0.75)."""
+    loss_clip_factor: float = 1.6
+    """Each term's squared norm is clipped at factor·λ² (AM: 1.6); 0 = no clipping."""
+    vjp_chunk_size: int = 0
+    """Samples per vector-Jacobian-product chunk of the adjoint (0 = the whole local batch): bounds memory."""
+    num_minibatches: int = 1
+    """The step's local samples are split into this many minibatches (each trains every loss time)."""
+    gradient_accumulation_steps: int = 1
+    ema_every_n_steps: int = 1
+
+
+def loss_times(sigmas: torch.Tensor, below: float, num_random: int, generator: torch.Generator) -> list[int]:
+    """Grid indices k (σ_k > 0) trained this step: all with σ_k ≤ `below`, plus `num_random` of the others at random."""
+    indices = [k for k in range(len(sigmas) - 1) if float(sigmas[k]) > 0]
+    late = [k for k in indices if float(sigmas[k]) <= below]
+    early = [k for k in indices if float(sigmas[k]) > below]
+    picked = torch.randperm(len(early), generator=generator)[: min(num_random, len(early))].tolist()
+    return sorted(late + [early[i] for i in picked])
+
+
+class AdjointMatchingTrainer:
+    config_class = AdjointMatchingConfig
+
+    def __init__(self, cfg: RunConfig, accelerator=None):
+        from accelerate.utils import set_seed
+
+        self.cfg, t = cfg, cfg.train
+        if t.reward_multiplier <= 0 or t.loss_clip_factor < 0 or t.num_random_loss_times < 0:
+            raise ValueError(
+                f"train.reward_multiplier={t.reward_multiplier} must be > 0, train.loss_clip_factor="
+                f"{t.loss_clip_factor} and train.num_random_loss_times={t.num_random_loss_times} >= 0"
+            )
+        s = cfg.sampler
+        kw = s.kwargs
+        memoryless = (
+            s.name == "sde"
+            and kw.get("kind", "flow_grpo") == "flow_grpo"
+            and abs(float(kw.get("noise_level", 0.7)) - MEMORYLESS_NOISE_LEVEL) < 1e-6
+            and not kw.get("sde_window_size", 0)
+        )
+        if not memoryless or float(kw.get("sigma_max", 1.0)) >= 1.0:
+            raise ValueError(
+                f"trainer: adjoint_matching needs the memoryless SDE on a grid that stops short of σ = 1; got sampler "
+                f"{s.name} {kw}; use {MEMORYLESS_SAMPLER}"
+            )
+        self.accelerator = acc = accelerator or make_accelerator(cfg)
+        self.rewards = build_rewards(cfg.rewards, acc.device)
+        flat = [name for name, r in self.rewards.items() if not getattr(r, "differentiable", False)]
+        if flat:
+            from flowrl.registry import REWARDS
+
+            usable = sorted(n for n in REWARDS.names() if getattr(REWARDS.get(n), "differentiable", False))
+            raise ValueError(
+                f"trainer: adjoint_matching needs differentiable rewards; {', '.join(flat)} is not: use one of "
+                f"{', '.join(usable)} (or trainer: ram, which needs no reward gradient)"
+            )
+        self.weights = {r.name: r.weight for r in cfg.rewards}
+        self.run = RunFolder(cfg.output_dir, cfg.name)
+        self.sampler = SAMPLERS.get(s.name)(**kw)
+        self.prompt_sampler, self.local_n = step_batches(cfg, self.sampler, acc.num_processes)
+        set_seed(cfg.seed)
+        self.model = build_policy(cfg.model, acc.device)
+        self.base = None
+        if not cfg.model.use_lora:  # full fine-tuning: the base is a frozen copy of the starting weights
+            self.base = copy.deepcopy(self.model.transformer).requires_grad_(False).eval()
+        self.opt = OptimizerStep(acc, self.model.transformer, t, self.local_n // t.num_minibatches, cfg.model.mixed_precision)
+        self.ema = EMA(self.opt.names, self.opt.params, t.ema_decay, t.ema_every_n_steps, t.ema_mode) if t.use_ema else None
+        guidance = getattr(self.sampler, "guidance_scale", None)
+        self.guidance = self.model.default_guidance_scale if guidance is None else guidance
+        if self.model.uses_cfg(self.guidance):
+            raise ValueError(
+                f"trainer: adjoint_matching rolls out the model's own memoryless SDE: sampler.guidance_scale="
+                f"{self.guidance} is classifier-free guidance for {self.model.family}; set it to 1.0"
+            )
+        self.evaluation = TrainingEvaluation(cfg, acc, self.run, self.model, self.rewards, self.opt, self.ema)
+        self.step = 0
+        self.counters = {"reward_errors": 0}
+
+    @contextlib.contextmanager
+    def base_model(self):
+        """The base velocity: LoRA switched off, or the frozen copy swapped in (full fine-tuning)."""
+        if self.base is None:
+            with self.model.adapter_disabled():
+                yield
+            return
+        trained, self.model.transformer = self.model.transformer, self.base
+        try:
+            yield
+        finally:
+            self.model.transformer = trained
+
+    # ------------------------------------------------------------------------------------------ one step
+    def train_step(self) -> dict[str, float]:
+        t, acc, model = self.cfg.train, self.accelerator, self.model
+        started = time.perf_counter()
+
+        # 1. Prompts
+        batch = self.prompt_sampler.local_batch(self.step, acc.process_index, acc.num_processes)
+
+        # 2. Rollout: the memoryless SDE of the current weights, no gradient
+        tic = time.perf_counter()
+        model.transformer.eval()
+        rollout = self.sampler(model, batch, step=self.step)
+        latents, sigmas, cond = rollout.latents.to(acc.device), rollout.sigmas.to(acc.device), rollout.cond
+        rollout_s = time.perf_counter() - tic
+
+        # 3. Score: the weighted reward and its gradient at the clean endpoint, through the decoder
+        tic = time.perf_counter()
+        x_end = latents[:, -1].detach().requires_grad_(True)
+        with torch.enable_grad():
+            images = model.decode(x_end)
+            parts = {name: r(images, batch.prompts, batch.metadata).scores.float() for name, r in self.rewards.items()}
+            total = sum(self.weights[name] * score for name, score in parts.items())  # [N]
+            (grad,) = torch.autograd.grad(total.sum(), x_end)
+        reward_s = time.perf_counter() - tic
+        metrics = {f"reward/{name}/mean": float(acc.reduce(s.detach().mean(), "mean")) for name, s in parts.items()}
+        metrics["reward/total/mean"] = float(acc.reduce(total.detach().mean(), "mean"))
+
+        # 4. Adjoint and 5. loss times (the same on every process: the step's own generator)
+        tic = time.perf_counter()
+        keep = loss_times(
+            sigmas.cpu(), t.all_loss_times_below_sigma, t.num_random_loss_times, step_generator(self.cfg.seed, self.step)
+        )
+        adjoints, v_base = self._adjoint(latents, sigmas, cond, -t.reward_multiplier * grad.detach(), keep)
+
+        # 6. Optimise
+        metrics.update(self._optimise(latents, sigmas, cond, adjoints, v_base, keep))
+        optimise_s = time.perf_counter() - tic
+
+        # 7. Log
+        wall = time.perf_counter() - started
+        n = self.local_n
+        metrics.update(step_metrics(wall, rollout_s, reward_s, optimise_s, n * acc.num_processes, 0, torch.tensor(n)))
+        metrics["train/grad_reward_norm"] = float(grad.flatten(1).norm(dim=1).mean())
+        metrics["train/loss_times"] = len(keep)
+        self.step += 1
+        return metrics
+
+    def _adjoint(self, latents, sigmas, cond, terminal, keep):
+        """The lean adjoint over sample chunks of `vjp_chunk_size` (the base model's VJPs bound the memory)."""
+        n = latents.shape[0]
+        size = self.cfg.train.vjp_chunk_size or n
+        adjoints: dict[int, list] = {k: [] for k in keep}
+        v_base: dict[int, list] = {k: [] for k in keep}
+        with self.base_model():
+            for start in range(0, n, size):
+                rows = torch.arange(start, min(start + size, n), device=latents.device)
+                sub = select_cond(cond, rows)
+
+                def velocity(x, sigma, sub=sub):
+                    return self.model.velocity(x, sigma, sub, self.guidance)
+
+                a, v = lean_adjoint(velocity, latents[rows], sigmas, terminal[rows], keep)
+                for k in keep:
+                    adjoints[k].append(a[k])
+                    v_base[k].append(v[k])
+        return {k: torch.cat(v) for k, v in adjoints.items()}, {k: torch.cat(v) for k, v in v_base.items()}
+
+    def _optimise(self, latents, sigmas, cond, adjoints, v_base, keep) -> dict[str, float]:
+        t, acc, model = self.cfg.train, self.accelerator, self.model
+        n, mb, accum = self.local_n, self.local_n // t.num_minibatches, t.gradient_accumulation_steps
+        clip = t.loss_clip_factor * t.reward_multiplier**2 if t.loss_clip_factor > 0 else None
+        order = torch.randperm(n, generator=step_generator(self.cfg.seed + 1, self.step))
+        losses, clipped = [], []
+        for m in range(t.num_minibatches):
+            if m % accum == 0:
+                window = len(losses)
+            rows = order[m * mb : (m + 1) * mb].to(acc.device)
+            sub = select_cond(cond, rows)
+            for j, k in enumerate(keep):
+                sigma = sigmas[k].expand(len(rows))
+                v_theta = model.velocity(latents[rows, k], sigma, sub, self.guidance)
+                residual = adjoint_residual(v_theta, v_base[k][rows], adjoints[k][rows], sigma)
+                per_sample = adjoint_matching_loss(residual, clip)  # [b]
+                self.opt.backward(per_sample.mean() / len(keep) / accum, boundary=j == len(keep) - 1 and (m + 1) % accum == 0)
+                losses.append(per_sample.detach().mean())
+                if clip is not None:
+                    clipped.append((residual.detach().pow(2).flatten(1).sum(1) > clip).float().mean())
+            if (m + 1) % accum == 0 and self.opt.step(torch.stack(losses[window:])) and self.ema is not None:
+                self.ema.update(self.opt.params, self.opt.optimizer_steps)
+        metrics = {"train/loss": float(torch.stack(losses).mean())}
+        if clipped:
+            metrics["train/clipped_fraction"] = float(torch.stack(clipped).mean())
+        return metrics | self.opt.metrics()
+
+    # ------------------------------------------------------------------------------------------ state
+    def save(self):
+        return save_recipe(self)
+
+    def resume(self, path) -> None:
+        resume_recipe(self, path)
+
+    def evaluate(self, step: int | None) -> dict | None:
+        """The fixed evaluation of the current weights (their EMA once an EMA update happened); None = the base model."""
+        return self.evaluation(step)
+
+    def train(self) -> dict:
+        """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""
+        return train_loop(self, "adjoint_matching")

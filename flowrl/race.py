@@ -30,13 +30,16 @@ from pathlib import Path
 REPO = Path(__file__).parents[1]  # = Path(flowrl.__file__).parents[1]
 TOY_CONFIGS = REPO / "configs" / "toy"
 BASELINE = "grpo"  # the recipe whose median final accuracy is the target
+MULTI_REWARD_PREFIX = "multireward_"  # configs/toy/multireward_*.yaml belong to `flowrl bench balancers`
 
 
 def toy_recipes() -> list[str]:
-    """Every `configs/toy/*.yaml` stem, sorted, grpo first."""
+    """Every `configs/toy/*.yaml` stem but the multi-reward ones (`multireward_*`, raced by `flowrl bench balancers`:
+    three rewards, not the race's one), sorted, grpo first."""
     if not TOY_CONFIGS.is_dir():
         raise FileNotFoundError(f"no {TOY_CONFIGS} folder: `flowrl bench trainers` runs from a source checkout of flowrl")
-    return sorted(sorted(p.stem for p in TOY_CONFIGS.glob("*.yaml")), key=lambda name: name != BASELINE)
+    stems = sorted(p.stem for p in TOY_CONFIGS.glob("*.yaml") if not p.stem.startswith(MULTI_REWARD_PREFIX))
+    return sorted(stems, key=lambda name: name != BASELINE)
 
 
 def recipe_order(recipes: list[str] | None) -> list[str]:

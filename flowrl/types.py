@@ -78,9 +78,13 @@ class Rollout:
     `rule` says how the stochastic steps were drawn and scored (kind, log-prob mode, first-step rule);
     `transitions` is the flat table of trainable (sample, step) pairs: those whose Gaussian has std > 0.
     A rollout of clean endpoints only (no trajectories) has an empty table.
+
+    Latents are stored one of two ways; read them with `states(rows, steps)`, `paths()` or `final_latents()`:
+    per sample, `latents` [N, T+1, ...] (latent_index None), or as a table of distinct states, `latents` [V, ...]
+    with `latent_index` [N, T+1] naming each sample's state at each step (a tree's shared prefixes stored once).
     """
 
-    latents: torch.Tensor  # [N, T+1, *latent_shape] float32; latents[:, 0] is the initial noise
+    latents: torch.Tensor  # [N, T+1, *latent_shape] float32, latents[:, 0] the initial noise; or [V, ...] (latent_index)
     log_probs: torch.Tensor  # [N, T] float32 behaviour log-prob of each transition (0 where deterministic)
     sigmas: torch.Tensor  # [T+1] float32, sigmas[0] = 1 (or the start), sigmas[T] = 0
     images: torch.Tensor  # [N, 3, H, W] in [0, 1] (video: [N, F, 3, H, W])
@@ -94,8 +98,16 @@ class Rollout:
     guidance_scale: float = 1.0
     metadata: list[dict[str, Any]] = field(default_factory=list)  # [N]
     extras: dict[str, Any] = field(default_factory=dict)  # sampler-specific records (tree parents, previews...)
+    latent_index: torch.Tensor | None = None  # [N, T+1] int64 rows of a state table `latents` [V, ...]; None = per sample
 
     def __post_init__(self) -> None:
+        if self.latent_index is not None:
+            expected = (len(self.prompts), self.log_probs.shape[1] + 1)
+            if tuple(self.latent_index.shape) != expected or int(self.latent_index.max()) >= len(self.latents):
+                raise ValueError(
+                    f"Rollout.latent_index has shape {tuple(self.latent_index.shape)}, max {int(self.latent_index.max())}: "
+                    f"it needs shape {expected} (samples, steps + 1) with rows of the {len(self.latents)}-state table latents"
+                )
         if self.transitions is None:
             stds = transition_stds(self.rule, self.sigmas, self.noise_levels)  # [N, T]
             self.transitions = (stds > 0).nonzero().to(torch.int64).cpu()  # [M, 2], sample-major
@@ -109,6 +121,29 @@ class Rollout:
     @property
     def num_steps(self) -> int:
         return self.log_probs.shape[1]
+
+    def states(self, rows: torch.Tensor, steps: torch.Tensor | int) -> torch.Tensor:
+        """[b, ...] the latent of sample rows[j] at step steps[j] (steps: [b] or one step for all), gathered from
+        whichever storage the rollout has; the only copy is of these b states."""
+        if self.latent_index is None:
+            return self.latents[rows, steps]
+        return self.latents[self.latent_index[rows, steps]]
+
+    def paths(self) -> torch.Tensor:
+        """[N, T+1, ...] every sample's whole path (a copy per sample where the latents are a shared table)."""
+        return self.latents if self.latent_index is None else self.latents[self.latent_index]
+
+    def final_latents(self) -> torch.Tensor:
+        """[N, ...] the clean endpoint of every sample."""
+        return self.latents[:, -1] if self.latent_index is None else self.latents[self.latent_index[:, -1]]
+
+    def state_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table [V, ...], index [N, T+1]) of the latents: the table itself, or the per-sample latents flattened."""
+        if self.latent_index is not None:
+            return self.latents, self.latent_index
+        n, width = self.latents.shape[:2]
+        index = torch.arange(n * width, device=self.latents.device).view(n, width)
+        return self.latents.flatten(0, 1), index
 
     @property
     def train_mask(self) -> torch.Tensor:
@@ -146,8 +181,19 @@ class Rollout:
                 extras[key] = value
             else:
                 raise ValueError(f"Rollout.concat: extra {key!r} is neither per-sample nor equal in every part")
+        latent_index = None
+        if all(p.latent_index is None for p in parts):
+            latents = torch.cat([p.latents for p in parts])
+        else:  # state tables: one table, each part's index shifted past the tables before it
+            tables, indices, start = [], [], 0
+            for p in parts:
+                table, index = p.state_table()
+                tables.append(table)
+                indices.append(index + start)
+                start += len(table)
+            latents, latent_index = torch.cat(tables), torch.cat(indices)
         return cls(
-            latents=torch.cat([p.latents for p in parts]),
+            latents=latents,
             log_probs=torch.cat([p.log_probs for p in parts]),
             sigmas=first.sigmas,
             images=torch.cat([p.images for p in parts]),
@@ -163,6 +209,7 @@ class Rollout:
             guidance_scale=first.guidance_scale,
             metadata=[x for p in parts for x in p.metadata],
             extras=extras,
+            latent_index=latent_index,
         )
 
 

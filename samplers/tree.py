@@ -13,9 +13,11 @@ counted in `extras["num_forwards"]`. Node ids in a tree are depth-major with sib
 order, so leaves come in depth-first order and leaf l passes through node l // (leaves / nodes(d)) of depth d.
 
 The Rollout has one row per leaf, in batch order (the trainer scores the decoded leaves, images [N]):
-  latents [N, T+1, ...]  each leaf's path; siblings hold bit-identical copies of their shared prefix
+  latents [V, ...]       the state table: every node once, V = num_trees · Σ_d nodes(d), depth-major, tree-major
+                         within a depth (shared prefixes are not copied per leaf)
+  latent_index [N, T+1]  each leaf's path as rows of the table (Rollout.states / paths read through it)
   transitions            every stochastic edge exactly once, in the row of the first leaf below the edge's child;
-                         the other rows hold that edge's latents but noise level 0 and log-prob 0 there
+                         the other rows pass through the same states with noise level 0 and log-prob 0 there
   std_scales [N, T]      the std multiplier each edge's log-prob uses: λ on split edges ('scaled', the density
                          the child was drawn from) or 1 (BranchGRPO's 'unscaled' quirk, ALGORITHMS Decision 1)
   extras                 tree_nodes [N, T+1] (the row's node id at each depth: its leaf-to-root path; the tree is
@@ -190,9 +192,13 @@ class TreeSampler:
         # 3. Time grid, per-step noise levels, the tree's shape
         sigmas = self.grid(model).to(model.device)  # [T+1]
         levels, children, nodes = self.step_noise_levels(), self.children_per_node(), self.nodes_per_depth()
-        # 4. Denoising loop over the frontier: every alive node of every tree, one batched forward per step
+        # 4. Denoising loop over the frontier: every alive node of every tree, one batched forward per step; each
+        #    depth's frontier [B*nodes(d), ...] (tree-major) is written once into the state table, depth after depth
         generators = sample_generators(tree_seeds, model.device, offset=NOISE_STREAM)
-        frontier, edge_log_probs = [x], []  # per depth [B*nodes(d), ...]; per step [B*nodes(k+1)]
+        starts = [len(trees) * sum(nodes[:d]) for d in range(len(nodes) + 1)]  # [T+2] first table row of each depth
+        table = x.new_empty((starts[-1], *x.shape[1:]))  # [B * Σ_d nodes(d), ...]
+        table[: starts[1]] = x
+        edge_log_probs = []  # per step [B*nodes(k+1)]
         forwards, calls = [], 0  # nodes run through the model at each step (all trees), model calls
         for k in range(self.num_steps):
             v, used = self._velocity(model, x, sigmas[k], tree_cond, nodes[k], guidance)
@@ -200,7 +206,8 @@ class TreeSampler:
             calls += used
             b = children[k]
             if levels[k] > 0:
-                x, v = x.repeat_interleave(b, dim=0), v.repeat_interleave(b, dim=0)  # parent-major children
+                if b > 1:
+                    x, v = x.repeat_interleave(b, dim=0), v.repeat_interleave(b, dim=0)  # parent-major children
                 noise = torch.cat([torch.randn((nodes[k + 1], *x.shape[1:]), generator=g, device=x.device) for g in generators])
                 scale = self.split_noise_scale if b > 1 else None
                 x_next, log_prob, _, _ = self.rule.step(v, x, sigmas[k], sigmas[k + 1], levels[k], noise=noise, std_scale=scale)
@@ -208,12 +215,12 @@ class TreeSampler:
                     _, log_prob, _, _ = self.rule.step(v, x, sigmas[k], sigmas[k + 1], levels[k], prev_sample=x_next)
             else:
                 x_next, _, _, _ = sde.sde_step(v, x, sigmas[k], sigmas[k + 1], "ode", 0.0)
-                x_next = x_next.repeat_interleave(b, dim=0)
+                x_next = x_next.repeat_interleave(b, dim=0) if b > 1 else x_next
                 log_prob = torch.zeros(x_next.shape[0], device=x.device)
-            x = x_next
-            frontier.append(x)
+            table[starts[k + 1] : starts[k + 2]] = x_next
+            x = table[starts[k + 1] : starts[k + 2]]
             edge_log_probs.append(log_prob)
-        # 5. One row per leaf: its path, and the edges it owns
+        # 5. One row per leaf: its path through the table, and the edges it owns
         rows = torch.tensor([r for tree in trees for r in tree])  # [N] batch row of each (tree, leaf)
         tree_of = torch.arange(len(trees)).repeat_interleave(self.num_leaves)  # [N]
         leaf = torch.arange(self.num_leaves).repeat(len(trees))  # [N]
@@ -221,8 +228,8 @@ class TreeSampler:
         offsets = [sum(nodes[:d]) for d in range(len(nodes))]
         order = torch.empty_like(rows)
         order[rows] = torch.arange(len(rows))  # batch row -> position in (tree, leaf) order
-        index = [(tree_of * n + leaf // m)[order] for n, m in zip(nodes, below)]  # per depth [N] into frontier[d]
-        latents = torch.stack([f[i.to(f.device)] for f, i in zip(frontier, index)], dim=1)  # [N, T+1, ...]
+        index = [(tree_of * n + leaf // m)[order] for n, m in zip(nodes, below)]  # per depth [N] into depth d's frontier
+        latent_index = torch.stack([start + i for start, i in zip(starts, index)], dim=1).to(table.device)  # [N, T+1]
         owner = torch.stack([(leaf % m == 0)[order] for m in below[1:]], dim=1)  # [N, T] row owns its step-k edge
         log_probs = torch.stack([lp[i.to(lp.device)] for lp, i in zip(edge_log_probs, index[1:])], dim=1).cpu()
         log_probs = torch.where(owner, log_probs, torch.zeros_like(log_probs))  # [N, T]
@@ -233,18 +240,19 @@ class TreeSampler:
             std_scales = torch.where(split, torch.tensor(self.split_noise_scale), torch.ones(()))  # [N, T]
         tree_nodes = torch.stack([(offset + leaf // m)[order] for offset, m in zip(offsets, below)], dim=1)  # [N, T+1]
         # 6. Decode the leaves
-        images = self._decode(model, latents[:, -1]) if self.decode else torch.empty(0)
+        images = self._decode(model, table[latent_index[:, -1]]) if self.decode else torch.empty(0)
         return Rollout(
-            latents=latents,
-            log_probs=log_probs.to(latents.device),
+            latents=table,
+            latent_index=latent_index,
+            log_probs=log_probs.to(table.device),
             sigmas=sigmas.float(),
             images=images,
             group_ids=batch.group_ids,
             prompts=list(batch.prompts),
             cond=cond,
-            noise_levels=noise_levels.to(latents.device),
+            noise_levels=noise_levels.to(table.device),
             rule=self.rule,
-            std_scales=None if std_scales is None else std_scales.to(latents.device),
+            std_scales=None if std_scales is None else std_scales.to(table.device),
             guidance_scale=guidance,
             metadata=list(batch.metadata),
             extras={

@@ -103,7 +103,7 @@ def test_unknown_recipe_fails_before_any_run(tmp_path):
 
 
 def test_recipes_default_to_every_toy_config_grpo_first_and_need_grpo(tmp_path, monkeypatch):
-    for stem in ("adjoint", "zeta", "grpo", "nft"):
+    for stem in ("adjoint", "zeta", "grpo", "nft", "multireward_marble"):  # the multi-reward configs are not raced
         (tmp_path / f"{stem}.yaml").write_text("")
     (tmp_path / "notes.txt").write_text("")
     monkeypatch.setattr(race, "TOY_CONFIGS", tmp_path)

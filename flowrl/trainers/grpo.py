@@ -276,7 +276,7 @@ class GRPOTrainer:
                     k = torch.tensor([steps[i][j] for i in sel], device=acc.device)  # [b] transition per sample
                     weight = keep[index].float() / counts[index]  # [b]
                     cond = select_cond(rollout.cond, index)
-                    x, x_next = rollout.latents[index, k], rollout.latents[index, k + 1]  # [b, ...]
+                    x, x_next = rollout.states(index, k), rollout.states(index, k + 1)  # [b, ...]
                     sigma, sigma_next, level = sigmas[k], sigmas[k + 1], rollout.noise_levels[index, k]  # [b]
                     scale = rollout.std_scales[index, k] if rollout.std_scales is not None else None  # [b] tree splits
                     v = model.velocity(x, sigma, cond, rollout.guidance_scale)

@@ -61,7 +61,7 @@ def sample(sampler, model, batch, step=0):
 def test_seed_determinism(model, name):
     sampler = build(name)
     a, b = sample(sampler, model, make_batch()), sample(sampler, model, make_batch())
-    assert torch.equal(a.latents, b.latents)
+    assert torch.equal(a.paths(), b.paths())
     assert torch.equal(a.log_probs, b.log_probs)
     assert torch.equal(a.images, b.images)
     assert torch.equal(a.transitions, b.transitions)
@@ -75,7 +75,7 @@ def test_a_sample_alone_equals_it_inside_a_batch(model, name):
         alone = sample(sampler, model, make_batch([group]))
         mine, theirs = rows_of(alone, group), rows_of(whole, group)
         assert len(mine) == len(theirs) > 0
-        torch.testing.assert_close(alone.latents[mine], whole.latents[theirs], rtol=0, atol=1e-5)
+        torch.testing.assert_close(alone.paths()[mine], whole.paths()[theirs], rtol=0, atol=1e-5)
         torch.testing.assert_close(alone.log_probs[mine], whole.log_probs[theirs], rtol=0, atol=1e-5)
         torch.testing.assert_close(alone.noise_levels[mine], whole.noise_levels[theirs], rtol=0, atol=0)
 
@@ -86,7 +86,7 @@ def test_noise_level_zero_is_the_ode_sampler(model, name):
     zero = sample(build(name, noise_level=0.0), model, batch)
     ode = sample(build("ode"), model, batch)
     assert torch.equal(zero.sigmas.cpu(), ode.sigmas.cpu())
-    assert torch.equal(zero.latents, ode.latents)
+    assert torch.equal(zero.paths(), ode.paths())
     assert torch.equal(zero.images, ode.images)
     assert not zero.log_probs.any() and len(zero.transitions) == 0
 
@@ -98,9 +98,9 @@ def test_rescoring_with_the_rollout_weights_gives_the_stored_log_prob_exactly(mo
     r = sample(build(name), model, make_batch())
     if "noise_level" in field_names(name):
         assert len(r.transitions) > 0  # a stochastic sampler has something to check
-    sigmas = r.sigmas.to(r.latents.device)
+    sigmas, paths = r.sigmas.to(r.latents.device), r.paths()  # paths [N, T+1, ...] whatever the storage
     for k in sorted(set(r.transitions[:, 1].tolist())):
-        x, x_next = r.latents[:, k], r.latents[:, k + 1]  # [N, ...]
+        x, x_next = paths[:, k], paths[:, k + 1]  # [N, ...]
         n = x.shape[0]
         with torch.no_grad():
             v = model.velocity(x, sigmas[k], r.cond, r.guidance_scale)
@@ -117,7 +117,7 @@ def test_transition_table_is_every_step_with_positive_std(model, name):
     r = sample(build(name), model, make_batch())
     sigmas, levels = r.sigmas.cpu(), r.noise_levels.cpu()
     n, t = levels.shape
-    assert r.latents.shape[:2] == (n, t + 1) and r.log_probs.shape == (n, t) and sigmas.shape == (t + 1,)
+    assert r.paths().shape[:2] == (n, t + 1) and r.log_probs.shape == (n, t) and sigmas.shape == (t + 1,)
     expected = [
         (i, k)
         for i in range(n)
@@ -141,4 +141,4 @@ def test_transition_table_is_every_step_with_positive_std(model, name):
 def test_the_step_argument_is_accepted(model, name):
     batch = make_batch([0])
     r = sample(build(name), model, batch, step=5)
-    assert r.latents.shape[1] == r.num_steps + 1 and r.prompts == batch.prompts
+    assert r.paths().shape[1] == r.num_steps + 1 and r.prompts == batch.prompts

@@ -1,6 +1,7 @@
 """The tree sampler (samplers/tree.py, BranchGRPO) on the shipped toy model: its forward count, shared prefixes, exact
 edge log-probs, chunking, and GRPO training on its edges."""
 
+import dataclasses
 import math
 
 import pytest
@@ -58,12 +59,12 @@ def test_branchgrpo_tree_has_16_leaves_and_costs_203_forwards(model):
     sampler = tree(num_steps=20, split_steps=(0, 3, 6, 9), noise_level=0.3, split_noise_scale=4.0, decode=False)
     assert sampler.num_leaves == 16
     r = sampler(model, batch(1, 16))
-    assert r.latents.shape[:2] == (16, 21) and r.extras["num_trees"] == 1
+    assert r.paths().shape[:2] == (16, 21) and r.extras["num_trees"] == 1
     assert r.extras["num_forwards"] == 203
     assert r.extras["nodes_per_step"] == (1, 2, 2, 2, 4, 4, 4, 8, 8, 8) + (16,) * 10
     # every stochastic edge once: all edges of steps 0..18 (the last step is Euler), Σ_k nodes(k + 1) = 202
     assert len(r.transitions) == 202 and len({tuple(e) for e in r.transitions.tolist()}) == 202
-    assert len({tuple(row.flatten()[:8].tolist()) for row in r.latents[:, -1]}) == 16  # 16 distinct leaves
+    assert len({tuple(row.flatten()[:8].tolist()) for row in r.final_latents()}) == 16  # 16 distinct leaves
 
 
 def test_siblings_share_their_prefix_exactly_and_own_each_edge_once(model):
@@ -74,20 +75,46 @@ def test_siblings_share_their_prefix_exactly_and_own_each_edge_once(model):
             if r.group_ids[a] != r.group_ids[b]:
                 continue
             shared = int((paths[a] == paths[b]).sum())  # depths 0 .. shared-1 are common nodes
-            assert torch.equal(r.latents[a, :shared], r.latents[b, :shared])
+            assert torch.equal(r.latent_index[a, :shared], r.latent_index[b, :shared])  # the same stored states
             if a != b:
-                assert shared in (1, 3) and not torch.equal(r.latents[a, shared], r.latents[b, shared])
+                assert shared in (1, 3) and not torch.equal(r.paths()[a, shared], r.paths()[b, shared])
     # edges: 2 + 2 + 4 = 8 per tree over steps 0..2, each in the row of the first leaf below its child
     table = {tuple(e) for e in r.transitions.tolist()}
     assert table == {(t * 4 + i, k) for t in (0, 1) for i, k in [(0, 0), (2, 0), (0, 1), (2, 1), (0, 2), (1, 2), (2, 2), (3, 2)]}
     assert r.std_scales[0, 0] == 3.0 and r.std_scales[0, 2] == 3.0 and r.std_scales[0, 1] == 1.0
 
 
+def test_shared_prefixes_are_stored_once_not_per_leaf(model):
+    """The rollout's latents are a table of Σ_d nodes(d) states per tree, not leaves x (T + 1): every node once, each
+    leaf's path indexing into it, and the trainer's states the nodes of its edges."""
+    sampler = tree()  # 4 steps, splits 0 and 2, b = 2: nodes 1, 2, 2, 4, 4 per depth
+    r = sampler(model, batch(2))
+    assert sampler.nodes_per_depth() == [1, 2, 2, 4, 4]
+    assert r.latents.shape == (2 * 13, *r.latents.shape[1:]) and r.latent_index.shape == (8, 5)  # not 8 x 5 = 40
+    assert r.latents.untyped_storage().nbytes() == r.latents.numel() * 4  # no larger storage behind the table
+    assert sorted(r.latent_index.unique().tolist()) == list(range(26))  # every stored state is some leaf's node
+    # depth-major, tree-major within a depth: the row of (depth d, tree t, node j) is 2·Σ_{d'<d} nodes(d') + t·nodes(d) + j
+    nodes = r.extras["tree_nodes"]  # [N, T+1] node id within its tree, offset by Σ_{d'<d} nodes(d')
+    starts = torch.tensor([0, 1, 3, 5, 9])
+    expected = 2 * starts + r.group_ids[:, None] * torch.tensor([1, 2, 2, 4, 4]) + (nodes - starts)
+    assert torch.equal(r.latent_index, expected)
+    paths = r.paths()  # [N, T+1, ...] materialised on request only
+    assert torch.equal(r.states(torch.tensor([5, 2]), torch.tensor([3, 1])), torch.stack([paths[5, 3], paths[2, 1]]))
+    assert torch.equal(r.final_latents(), paths[:, -1])
+    # rollout chunks concatenate into one table, each chunk's index shifted past the tables before it
+    other = sampler(model, batch(2, seed=9))
+    both = type(r).concat([r, other])
+    assert both.latents.shape[0] == 26 + 26 and torch.equal(both.paths(), torch.cat([paths, other.paths()]))
+    assert torch.equal(both.latent_index[8:], other.latent_index + 26)
+    with pytest.raises(ValueError, match=r"latent_index has shape \(8, 4\), max 17: it needs shape \(8, 5\)"):
+        dataclasses.replace(r, latent_index=r.latent_index[:, :-1])
+
+
 def dance_log_density(model, r, row, k, std_scale):
     """The per-element mean Gaussian log-density of edge (row, k) under std std_scale·s_k, written here (DanceGRPO's
     step), not with flowrl.sde; and the edge's residual spread in units of s_k."""
     sigma, sigma_next = float(r.sigmas[k]), float(r.sigmas[k + 1])
-    x = r.latents[row : row + 1, k]
+    x = r.states(torch.tensor([row]), k)
     cond = {key: value[row : row + 1] for key, value in r.cond.items()}
     with torch.no_grad():
         v = model.velocity(x, sigma, cond, r.guidance_scale)
@@ -96,7 +123,7 @@ def dance_log_density(model, r, row, k, std_scale):
     score = -(x - (1 - sigma) * x0) / sigma**2
     mean = x + d_sigma * v - 0.5 * eta**2 * score * d_sigma
     s_k = eta * math.sqrt(-d_sigma)
-    x_next = r.latents[row : row + 1, k + 1]
+    x_next = r.states(torch.tensor([row]), k + 1)
     spread = float((x_next - mean).pow(2).mean().sqrt()) / s_k
     return torch.distributions.Normal(mean, std_scale * s_k).log_prob(x_next).mean(), spread
 
@@ -122,7 +149,7 @@ def test_a_tree_rollout_is_identical_whatever_the_chunking(model):
     for size in (1, 3):
         chunked = tree(max_forward_batch=size)(rowwise, batch(2))
         assert chunked.extras["forward_calls"] == sum((n + size - 1) // size for n in whole.extras["nodes_per_step"])
-        for field in ("latents", "log_probs", "noise_levels", "std_scales", "images", "transitions"):
+        for field in ("latents", "latent_index", "log_probs", "noise_levels", "std_scales", "images", "transitions"):
             assert torch.equal(getattr(whole, field), getattr(chunked, field)), (size, field)
         # the plain toy model: the same draws and edges, latents equal up to its batch-size rounding
         chunked = tree(max_forward_batch=size)(model, batch(2))
@@ -142,7 +169,7 @@ def test_mix_mode_is_sde_in_the_window_and_at_splits_and_euler_elsewhere(model):
     assert fast.step_noise_levels() == [0.0, 0.0, 0.5, 0.0, 0.0, 0.0]
     r = fast(model, batch())
     assert r.transitions[:, 1].tolist() == [2, 2, 2, 2] and r.transitions[:, 0].tolist() == [0, 1, 2, 3]
-    assert all(torch.equal(r.latents[0, :3], r.latents[i, :3]) for i in range(4))
+    assert all(torch.equal(r.paths()[0, :3], r.paths()[i, :3]) for i in range(4))
 
 
 def test_a_split_group_is_refused(model):
@@ -219,9 +246,9 @@ def test_on_policy_ratio_of_every_edge_is_exactly_one(tmp_path, precision, rowwi
     seen = {}
     original = trainer._optimise
 
-    def optimise(rollout, advantages, keep):
+    def optimise(rollout, advantages, keep, *rest):
         seen["credit"] = transition_advantages(rollout, advantages, keep, trainer.cfg.train, trainer.step, 2)
-        return original(rollout, advantages, keep)
+        return original(rollout, advantages, keep, *rest)
 
     trainer._optimise = optimise
     metrics = trainer.train_step()

@@ -16,6 +16,7 @@ REAL = {
     "sana": "configs/sana/grpo_imagereward.yaml",
     "wan": "configs/wan/grpo_video.yaml",
     "sd3-nft": "configs/sd3/nft_pickscore.yaml",
+    "sd3-marble": "configs/sd3/marble_five_rewards.yaml",
     "flux-nft": "configs/flux/nft_hpsv2.yaml",
     "flux-branchgrpo": "configs/flux/branchgrpo_hpsv2.yaml",
     "wan-branchgrpo": "configs/wan/branchgrpo_video.yaml",

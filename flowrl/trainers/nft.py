@@ -162,7 +162,7 @@ class NFTTrainer:
                 self.sampler, model, batch, self.scorer, t.num_rollout_batches, self.step, self.weights
             )
         sampler_metrics = candidate_metrics(rollout)
-        x0 = rollout.latents[:, -1].to(acc.device)  # [N, *latent_shape]: the clean endpoints, all NFT keeps
+        x0 = rollout.final_latents().to(acc.device)  # [N, *latent_shape]: the clean endpoints, all NFT keeps
         sigmas, cond = rollout.sigmas.to(acc.device), rollout.cond  # [T+1]; rows [N]
         del rollout
 

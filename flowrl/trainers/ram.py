@@ -145,7 +145,7 @@ class RAMTrainer:
             rollout, local, rollout_s = rollout_and_score(
                 self.sampler, model, batch, self.scorer, t.num_rollout_batches, self.step
             )
-        x0, cond = rollout.latents[:, -1].to(acc.device), rollout.cond  # [N, *latent_shape]; rows [N]
+        x0, cond = rollout.final_latents().to(acc.device), rollout.cond  # [N, *latent_shape]; rows [N]
         del rollout
 
         # 4. Gather and 5. Balance: advantages [N] of this process's samples, failed samples kept out

@@ -23,7 +23,7 @@ def test_cli_writes_both_families_with_forward_counts_by_hand(tmp_path, capsys):
     assert result["settings"]["leaves"] == 4 and result["settings"]["split_steps"] == [0, 1]
     for family in ("toy", "sd3"):
         entry = result[family]
-        assert FAMILY_KEYS | {"target_met", "rounds_s"} == set(entry)
+        assert FAMILY_KEYS | {"target_met", "cpu_ratio", "cpu_over_nfe", "rounds_s", "rounds_cpu_s"} == set(entry)
         # tree: nodes 1, 2, 4 at steps 0, 1, 2 = 7 forwards for 4 leaves in 3 calls; independent: 4 x 3 in 3 calls
         assert entry["forwards_per_leaf"] == {"tree": 1.75, "independent": 3.0}
         assert entry["forward_calls"] == {"tree": 3, "independent": 3}
@@ -43,8 +43,9 @@ def test_chunked_frontier_counts_the_same_forwards_in_more_calls():
 
 def test_interleaved_rounds_alternate_their_order_after_one_warm_up_each():
     calls = []
-    times = interleaved_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
-    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"] and all(len(v) == 3 for v in times.values())
+    wall, cpu = interleaved_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert all(len(v) == 3 and min(v) >= 0 for times in (wall, cpu) for v in times.values())
 
 
 def test_counting_model_counts_rows_and_calls_and_forwards_the_rest():

@@ -265,7 +265,13 @@ def _enable_cache(model: torch.nn.Module, cache: dict, family: str) -> None:
     import diffusers
 
     options = {k: v for k, v in cache.items() if k != "type"}
-    model.enable_cache(getattr(diffusers, CACHES[cache["type"]])(**options))
+    try:
+        model.enable_cache(getattr(diffusers, CACHES[cache["type"]])(**options))
+    except IndexError:  # FirstBlockCache splits the blocks into a head and a tail
+        raise ValueError(
+            f"sampler.preview_cache.type={cache['type']!r} needs at least two transformer blocks; the {family} "
+            "transformer has one: use type taylorseer or mag"
+        ) from None
 
 
 def build_preview(transformer: torch.nn.Module, spec: PreviewSpec, family: str = "model") -> torch.nn.Module:
@@ -278,6 +284,8 @@ def build_preview(transformer: torch.nn.Module, spec: PreviewSpec, family: str =
         raise ValueError(f"sampler.preview_backend='int8' is torch's dynamic quantization for the CPU; this run is on {device}")
     if "cached" in spec.backends and not hasattr(transformer, "enable_cache"):
         _enable_cache(transformer, spec.cache, family)  # raises the one-line error before copying anything
+    if precision in (None, "bf16") and "cached" not in spec.backends:
+        return transformer  # few_step / bf16 change how the sampler runs the policy, not its weights: no copy
     preview = merged_copy(transformer)
     names = quantizable_linears(preview, spec.skip, spec.min_features)
     if precision in FAKE_QUANT:

@@ -196,3 +196,19 @@ def test_bad_settings_are_one_line_errors(toy):
         candidates(full={"name": "ode", "num_steps": 4})
     with pytest.raises(ValueError, match="preview_backend='fp4' is not one of"):
         candidates(preview_backend="fp4")
+
+
+def test_naive_scaling_keeps_the_full_precision_pool_samples(toy):
+    batch = groups_batch()
+    rollout = candidates(preview_backend="full", full={"name": "sde", "noise_level": 0.7})(toy, batch, score_fn=brightness)
+    seeds = rollout.extras["seeds"]
+    direct = SDESampler(num_steps=3, guidance_scale=1.0, noise_level=0.7)(
+        toy, PromptBatch(batch.prompts, batch.group_ids, seeds=seeds)
+    )
+    torch.testing.assert_close(rollout.latents, direct.latents, rtol=0, atol=1e-5)  # the pool ran at another batch size
+    torch.testing.assert_close(rollout.log_probs, direct.log_probs, rtol=0, atol=1e-4)
+    assert torch.equal(rollout.transitions, direct.transitions) and rollout.prompts == batch.prompts
+    # its ranking scores are the full-precision scores of the kept samples
+    torch.testing.assert_close(rollout.extras["preview_scores"], rollout.extras["full_scores"], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="'full' \\(naive scaling\\) combines with nothing"):
+        candidates(preview_backend="full+int8")

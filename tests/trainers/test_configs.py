@@ -21,6 +21,10 @@ REAL = {
     "flux-branchgrpo": "configs/flux/branchgrpo_hpsv2.yaml",
     "wan-branchgrpo": "configs/wan/branchgrpo_video.yaml",
     "qwen_image": "configs/qwen_image/grpo_pickscore.yaml",
+    "sd3-solrl": "configs/sd3/solrl.yaml",
+    "flux-solrl": "configs/flux/solrl.yaml",
+    "sana-solrl": "configs/sana/solrl.yaml",
+    "wan-cachedsearch": "configs/wan/cachedsearch.yaml",
 }
 
 
@@ -75,6 +79,11 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
         frames += ["sampler.sde_window_size=1", "sampler.sde_window_range=[0, 2]"]
     if "split_steps" in data["sampler"]:  # a tree of group_size = 2 leaves inside the 3 steps
         frames += ["sampler.split_steps=[0]", "sampler.branching=2"]
+    if data["sampler"]["name"] == "candidates":  # small pools; the fake (exact) NVFP4 on the CPU
+        backend = data["sampler"]["preview_backend"].replace("nvfp4", "fake_nvfp4")
+        frames += ["sampler.pool_size=3", "sampler.preview_num_steps=2", f"sampler.preview_backend={backend}"]
+        if "cached" in backend and family == "wan":  # the tiny Wan has one block: FirstBlockCache needs two
+            frames += ["sampler.preview_cache={type: taylorseer}"]
     size = 16 if family == "wan" else 32
     cfg = load_config(
         path,

@@ -125,7 +125,9 @@ BENCHES = {
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure speed; writes JSON with side-by-side ratios")
-    which = p.add_subparsers(dest="what", required=True, metavar="{" + ",".join([*BENCHES, "tree", "trainers"]) + "}")
+    which = p.add_subparsers(
+        dest="what", required=True, metavar="{" + ",".join([*BENCHES, "tree", "trainers", "balancers"]) + "}"
+    )
     for name, text in BENCHES.items():
         q = which.add_parser(name, help=text)
         q.add_argument("--json", required=True, help="output JSON path")
@@ -145,6 +147,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--eval-every", default=None, help="measure every N training steps (default: num_steps // 10)")
     q.add_argument("--heldout-seeds", default=None, help="seeds per held-out prompt (default: the demo's 16)")
     q.add_argument("overrides", nargs="*", help="key.path=value overrides for every recipe, e.g. num_steps=30")
+    q = which.add_parser("balancers", help="every multi-reward balancer on three conflicting toy rewards, over seeds")
+    q.add_argument("--json", required=True, help="output JSON path (rewritten after every run)")
+    q.add_argument("--balancers", default=None, help="comma-separated, e.g. weighted_sum,marble (default: all)")
+    q.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default: 0,1,2)")
+    q.add_argument("--heldout-seeds", default="4", help="seeds per held-out prompt (default: 4)")
+    q.add_argument("--timing-steps", default="6", help="interleaved steps of the side-by-side timing (default: 6)")
+    q.add_argument("overrides", nargs="*", help="key.path=value overrides for every run, e.g. num_steps=10")
 
 
 def _int_list(flag: str, value: str) -> list[int]:
@@ -178,6 +187,19 @@ def _run_bench(args: argparse.Namespace) -> int:
             num_seeds=_positive_int("--heldout-seeds", args.heldout_seeds),
         )
         print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
+        return 0
+    if args.what == "balancers":
+        from flowrl.bench_balancers import bench_balancers
+
+        result = bench_balancers(
+            balancers=None if args.balancers is None else [name.strip() for name in args.balancers.split(",")],
+            seeds=_int_list("--seeds", args.seeds),
+            overrides=args.overrides,
+            out_json=args.json,
+            num_seeds=_positive_int("--heldout-seeds", args.heldout_seeds),
+            timing_steps=_positive_int("--timing-steps", args.timing_steps),
+        )
+        print(f"wrote {args.json}: marble_step_ratio {result['marble_step_ratio']}")
         return 0
     if args.what == "tree":
         result = bench.bench_tree(

@@ -1,4 +1,4 @@
-"""MARBLE (arXiv 2605.06507): multi-reward gradient balancing (docs/math.md#marble).
+"""MARBLE (arXiv 2605.06507): multi-reward gradient balancing (docs/math.md#marble-balance-the-per-reward-gradients-marble).
 
 Pure math first, then the gradient plumbing a recipe calls with a loss closure (DESIGN.md: "MARBLE needs
 per-reward losses from stage 6, so it is a balancer that the trainer calls with a loss closure").

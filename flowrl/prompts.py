@@ -109,6 +109,12 @@ def step_batches(cfg, sampler, num_processes: int) -> tuple[GroupedPromptSampler
             f"train.num_minibatches={t.num_minibatches}"
         )
     whole = getattr(sampler, "whole_groups", False)
+    leaves = getattr(sampler, "num_leaves", None)  # a tree sampler: one tree per group, its leaves the group's samples
+    if leaves is not None and d.group_size != leaves:
+        raise ValueError(
+            f"data.group_size={d.group_size} but the tree of sampler.split_steps={list(sampler.split_steps)} and "
+            f"sampler.branching={sampler.branching} has {leaves} leaves; set data.group_size={leaves}"
+        )
     prompts = load_prompts(d.prompts, d.prompts_file, d.toy_split, "data")
     prompt_sampler = GroupedPromptSampler(prompts, d.num_prompts_per_step, d.group_size, cfg.seed, whole)
     local_n = prompt_sampler.local_size(num_processes)
@@ -117,5 +123,10 @@ def step_batches(cfg, sampler, num_processes: int) -> tuple[GroupedPromptSampler
         raise ValueError(
             f"the {local_n} samples per process do not split into train.num_minibatches="
             f"{t.num_minibatches} and train.num_rollout_batches={chunks}"
+        )
+    if leaves is not None and (local_n // chunks) % leaves:
+        raise ValueError(
+            f"train.num_rollout_batches={chunks} makes rollout chunks of {local_n // chunks} samples, which splits a tree "
+            f"of {leaves} leaves; make it a divisor of the {local_n // leaves} trees per process"
         )
     return prompt_sampler, local_n

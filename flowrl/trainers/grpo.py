@@ -33,7 +33,7 @@ from flowrl import seeds as seed_formulas
 from flowrl.advantages import FUSIONS, WIDTH_PRUNINGS, tree_edge_advantages
 from flowrl.checkpoint import restore_training_state, save_training_state
 from flowrl.config import RunConfig, dump_config, to_dict
-from flowrl.distributed import make_accelerator
+from flowrl.distributed import Sharding, make_accelerator
 from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import clipped_policy_loss
 from flowrl.marble import RewardGradients
@@ -171,6 +171,16 @@ def shared_counts(steps: list[list[int]], shared_by: torch.Tensor) -> torch.Tens
     return (total / rows)[unit]
 
 
+def same_on_every_process(acc, lengths: list[int]) -> bool:
+    """Whether every process has these per-sample transition counts. The minibatch order is the same permutation on
+    every process (one step generator), so equal counts mean the same backward calls (what FSDP2 / ZeRO-2 need),
+    even where a process's own samples differ (a tree's leaves own different numbers of its edges)."""
+    if acc.num_processes == 1:
+        return True
+    gathered = acc.gather(torch.tensor(lengths, device=acc.device)).view(acc.num_processes, -1)
+    return bool((gathered == gathered[0]).all())
+
+
 class GRPOTrainer:
     config_class = GRPOConfig
 
@@ -186,6 +196,11 @@ class GRPOTrainer:
         self.run = RunFolder(cfg.output_dir, cfg.name)
         self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
         self.prompt_sampler, self.local_n = step_batches(cfg, self.sampler, acc.num_processes)
+        if Sharding(acc).kind is not None and cfg.sampler.name == "tree" and t.tree.width_pruning != "none":
+            raise ValueError(
+                f"train.tree.width_pruning={t.tree.width_pruning!r} prunes each process's edges by its own advantages, so "
+                "the processes would run different backward calls, which FSDP2 / ZeRO-2 cannot; set it to 'none'"
+            )
         if t.num_minibatches != t.num_rollout_batches:
             warnings.warn(
                 f"rollout chunks of {self.local_n // t.num_rollout_batches} samples but minibatches of "
@@ -253,10 +268,10 @@ class GRPOTrainer:
         credit = transition_advantages(rollout, advantages, keep, t, self.step, self.cfg.num_steps)
         steps = trained_transitions(credit.transitions, n, t.timestep_fraction, t.shuffle_timesteps, gen)
         counts = shared_counts(steps, credit.shared_by).to(acc.device)  # [N]
-        if self.opt.sharding.kind is not None and len({len(s) for s in steps}) > 1:
+        if self.opt.sharding.kind is not None and not same_on_every_process(acc, [len(s) for s in steps]):
             raise ValueError(
-                "samples with different numbers of trained transitions cannot train under FSDP2 / ZeRO-2 "
-                "(every process must run the same backward calls); use equal SDE windows"
+                "the processes train different numbers of transitions per sample, which FSDP2 / ZeRO-2 cannot (every "
+                "process must run the same backward calls); use equal SDE windows"
             )
         mb, accum = n // t.num_minibatches, t.gradient_accumulation_steps
         sigmas = rollout.sigmas.to(acc.device)

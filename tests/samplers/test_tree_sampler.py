@@ -228,6 +228,26 @@ def toy_tree_config(tmp_path, **overrides):
     return build_config(data)
 
 
+class FSDP2Processes:
+    """What GRPOTrainer reads of an accelerator before it builds anything: two FSDP2 processes."""
+
+    num_processes, process_index, is_fsdp2 = 2, 0, True
+    distributed_type = type("DistributedType", (), {"name": "FSDP"})
+
+
+def test_tree_settings_that_cannot_run_are_one_line_config_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"^data.group_size=8 but the tree of sampler.split_steps=\[0, 1\] and "):
+        GRPOTrainer(toy_tree_config(tmp_path, **{"data.group_size": 8}))
+    with pytest.raises(ValueError, match=r"set data.group_size=4$"):
+        GRPOTrainer(toy_tree_config(tmp_path, **{"data.group_size": 2}))
+    with pytest.raises(ValueError, match=r"num_rollout_batches=4 makes rollout chunks of 2 samples, which splits a tree"):
+        GRPOTrainer(toy_tree_config(tmp_path, **{"train.num_rollout_batches": 4, "train.num_minibatches": 4}))
+    one_chunk = {"train.num_rollout_batches": 1, "train.num_minibatches": 1}  # one tree per process
+    sharded = toy_tree_config(tmp_path, **{"train.tree.width_pruning": "per_branch", **one_chunk})
+    with pytest.raises(ValueError, match=r"width_pruning='per_branch' prunes each process's edges .* set it to 'none'$"):
+        GRPOTrainer(sharded, accelerator=FSDP2Processes())
+
+
 def randomize_adapter(trainer):
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)

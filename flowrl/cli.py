@@ -126,7 +126,7 @@ BENCHES = {
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure speed; writes JSON with side-by-side ratios")
     which = p.add_subparsers(
-        dest="what", required=True, metavar="{" + ",".join([*BENCHES, "tree", "trainers", "balancers"]) + "}"
+        dest="what", required=True, metavar="{" + ",".join([*BENCHES, "tree", "trainers", "balancers", "candidates"]) + "}"
     )
     for name, text in BENCHES.items():
         q = which.add_parser(name, help=text)
@@ -147,6 +147,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--eval-every", default=None, help="measure every N training steps (default: num_steps // 10)")
     q.add_argument("--heldout-seeds", default=None, help="seeds per held-out prompt (default: the demo's 16)")
     q.add_argument("overrides", nargs="*", help="key.path=value overrides for every recipe, e.g. num_steps=30")
+    q = which.add_parser("candidates", help="preview vs full-precision ranking fidelity and cost of every preview backend")
+    q.add_argument("--json", required=True, help="output JSON path")
+    q.add_argument("--num-prompts", default="8", help="prompts per world, one seed pool each (default: 8)")
+    q.add_argument("--worlds", default="toy,sd3", help="comma-separated: toy, sd3 (default: toy,sd3)")
     q = which.add_parser("balancers", help="every multi-reward balancer on three conflicting toy rewards, over seeds")
     q.add_argument("--json", required=True, help="output JSON path (rewritten after every run)")
     q.add_argument("--balancers", default=None, help="comma-separated, e.g. weighted_sum,marble (default: all)")
@@ -201,7 +205,12 @@ def _run_bench(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.json}: marble_step_ratio {result['marble_step_ratio']}")
         return 0
-    if args.what == "tree":
+    if args.what == "candidates":
+        from flowrl.bench_candidates import bench_candidates
+
+        worlds = tuple(name.strip() for name in args.worlds.split(","))
+        result = bench_candidates(num_prompts=_positive_int("--num-prompts", args.num_prompts), worlds=worlds)
+    elif args.what == "tree":
         result = bench.bench_tree(
             repeats=_positive_int("--repeats", str(args.repeats)),
             num_steps=_positive_int("--num-steps", args.num_steps),

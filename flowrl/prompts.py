@@ -129,4 +129,10 @@ def step_batches(cfg, sampler, num_processes: int) -> tuple[GroupedPromptSampler
             f"train.num_rollout_batches={chunks} makes rollout chunks of {local_n // chunks} samples, which splits a tree "
             f"of {leaves} leaves; make it a divisor of the {local_n // leaves} trees per process"
         )
+    if whole and leaves is None and (local_n // chunks) % d.group_size:
+        raise ValueError(
+            f"train.num_rollout_batches={chunks} makes rollout chunks of {local_n // chunks} samples, which splits a prompt "
+            f"group of {d.group_size} (sampler {cfg.sampler.name} works on whole groups); make it a divisor of the "
+            f"{local_n // d.group_size} groups per process"
+        )
     return prompt_sampler, local_n

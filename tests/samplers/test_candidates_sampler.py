@@ -1,16 +1,20 @@
 """The candidates sampler (Sol-RL / CachedSearch pools) and its preview models: exact regeneration, selection by
 the preview's scores, previews that differ from the policy yet follow it, cache hooks that skip work."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from flowrl.models import load_flow_model
+from flowrl.prompts import step_batches
 from flowrl.quant import PreviewSpec, build_preview, fake_quant_nvfp4, merged_copy
 from flowrl.ranking import select_indices
 from flowrl.registry import SAMPLERS
 from flowrl.samplers.candidates import candidate_metrics, previewing
 from flowrl.samplers.ode import ODESampler
 from flowrl.samplers.sde import SDESampler
+from flowrl.trainers import load_config
 from flowrl.types import PromptBatch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
@@ -212,3 +216,10 @@ def test_naive_scaling_keeps_the_full_precision_pool_samples(toy):
     torch.testing.assert_close(rollout.extras["preview_scores"], rollout.extras["full_scores"], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="'full' \\(naive scaling\\) combines with nothing"):
         candidates(preview_backend="full+int8")
+
+
+def test_rollout_chunks_that_split_a_group_are_refused():
+    overrides = ["train.num_rollout_batches=16"]  # 64 samples: chunks of 4 split groups of 8
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "toy" / "solrl.yaml", overrides)
+    with pytest.raises(ValueError, match="chunks of 4 samples, which splits a prompt group of 8 .*divisor of the 8 groups"):
+        step_batches(cfg, SAMPLERS.get("candidates")(**cfg.sampler.kwargs), num_processes=1)

@@ -69,7 +69,9 @@ def test_full_window_writes_the_harmonized_gradients_plus_the_kl():
             flat = torch.cat([t.flatten() for t in g])
             total = flat if total is None else total + flat
         expected_g.append(total)
-    kl_grad = sum(torch.cat([t.flatten() for t in torch.autograd.grad(losses(net, x[b])[2], list(net.parameters()))]) for b in range(2))
+    kl_grad = sum(
+        torch.cat([t.flatten() for t in torch.autograd.grad(losses(net, x[b])[2], list(net.parameters()))]) for b in range(2)
+    )
     expected = harmonize(torch.stack(expected_g)).direction.float() + kl_grad
 
     assert grads.plan(per_reward) == "full"
@@ -199,3 +201,22 @@ def test_alpha_of_two_gloo_processes_equals_one_process(tmp_path):
     one, two = alphas(runs / "one"), alphas(runs / "two")
     assert len(one) == 2 and all(len(a) == 3 for a in one) and one[0] != [1 / 3] * 3
     assert sum(one, []) == pytest.approx(sum(two, []), abs=1e-6), (one, two)
+
+
+@pytest.mark.slow
+def test_resume_restores_alpha_and_the_refresh_clock(tmp_path):
+    overrides = {
+        **MULTI,
+        "num_steps": 1,
+        "data.num_prompts_per_step": 2,
+        "sampler.num_steps": 3,
+        "train.num_minibatches": 2,
+        "checkpoint.every_n_steps": 1,
+    }
+    first = build_trainer(nft_config(tmp_path, **overrides))
+    first.train()
+    resumed = build_trainer(nft_config(tmp_path, **{**overrides, "num_steps": 2, "checkpoint.resume": "latest"}))
+    resumed.resume(first.run.checkpoints / "step_000001")
+    assert resumed.reward_grads.windows == first.reward_grads.windows == 2
+    assert torch.equal(resumed.reward_grads.alpha, first.reward_grads.alpha)
+    assert torch.equal(resumed.balancer.alpha, first.balancer.alpha)  # the balancer's Σ ᾱ_k A_k uses it

@@ -1,6 +1,6 @@
 """`flowrl bench trainers`: the race between training recipes on the toy Shapes world.
 
-    flowrl bench trainers --json runs/race.json                       # every configs/toy/*.yaml, seeds 0,1,2
+    flowrl bench trainers --json runs/race.json                       # configs/toy/*.yaml but multireward_*
     flowrl bench trainers --json runs/race.json --recipes grpo,nft --seeds 0,1 num_steps=30
 
 Each recipe is a config file, `configs/toy/<name>.yaml`, run once per seed with the same loop (no code per recipe):

@@ -7,7 +7,7 @@ loop over steps and call it, trainers re-score stored transitions with it. Conve
 log-prob is computed in float32, whatever the dtype of the network (docs/math.md#precision).
 
 Contents
-  schedules      shift_sigmas, calculate_shift, scheduler_sigmas, timesteps_from_sigmas, dance_sigmas
+  schedules      shift_sigmas, calculate_shift, flux2_shift, scheduler_sigmas, timesteps_from_sigmas, dance_sigmas
   estimates      x0_from_velocity, noise_from_velocity
   steps          sde_std, sde_step (kinds "ode", "flow_grpo", "dance", "cps")
   divergence     gaussian_kl
@@ -83,6 +83,20 @@ def calculate_shift(
     slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
     intercept = base_shift - slope * base_seq_len
     return image_seq_len * slope + intercept
+
+
+def flux2_shift(image_seq_len: int, num_steps: int) -> float:
+    """FLUX.2's dynamic-shift exponent μ, fitted by Black Forest Labs rather than set by two config points.
+
+    Two lines in the token count, μ at 10 and at 200 steps, joined by a line in the step count; above 4,300
+    tokens the 200-step line alone. The same arithmetic as diffusers' FLUX.2 pipelines, so the float is identical.
+    """
+    at_200 = 0.00016927 * image_seq_len + 0.45666666
+    if image_seq_len > 4300:
+        return float(at_200)
+    at_10 = 8.73809524e-05 * image_seq_len + 1.89833333
+    per_step = (at_200 - at_10) / 190.0
+    return float(per_step * num_steps + (at_200 - 200.0 * per_step))
 
 
 def _scheduler_settings(config: Mapping, allow_inverted: bool) -> dict:

@@ -88,14 +88,7 @@ class ODESampler:
         if custom is not None and "sigmas" in accepted:
             kwargs["sigmas"] = custom
         if scheduler.config.get("use_dynamic_shifting", False) and "mu" in accepted:
-            c = scheduler.config
-            kwargs["mu"] = sde.calculate_shift(
-                model.image_seq_len(*size),
-                c.get("base_image_seq_len", 256),
-                c.get("max_image_seq_len", 4096),
-                c.get("base_shift", 0.5),
-                c.get("max_shift", 1.15),
-            )
+            kwargs["mu"] = model.shift_mu(self.num_steps, *size)
         scheduler.set_timesteps(self.num_steps, device=model.device, **kwargs)
         x = latents
         trajectory = [x.float()]

@@ -14,6 +14,8 @@ ADAPTERS = {
     "SanaPipeline": ("flowrl.models.sana", "SanaFlowModel"),
     "WanPipeline": ("flowrl.models.wan", "WanFlowModel"),
     "QwenImagePipeline": ("flowrl.models.qwen_image", "QwenImageFlowModel"),
+    "Flux2Pipeline": ("flowrl.models.flux2", "Flux2FlowModel"),
+    "Flux2KleinPipeline": ("flowrl.models.flux2", "Flux2FlowModel"),
 }
 
 DTYPES = {

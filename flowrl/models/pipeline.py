@@ -112,16 +112,21 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
         if num_steps < 1:
             raise ValueError(f"num_steps={num_steps} must be >= 1")
         config = self.pipe.scheduler.config
-        mu = None
-        if config.get("use_dynamic_shifting", False):
-            mu = sde.calculate_shift(
-                self.image_seq_len(height, width, num_frames),
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.15),
-            )
+        mu = self.shift_mu(num_steps, height, width, num_frames) if config.get("use_dynamic_shifting", False) else None
         return sde.scheduler_sigmas(config, num_steps, sigmas=self.custom_sigmas(num_steps), mu=mu)
+
+    def shift_mu(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> float:
+        """The dynamic-shift μ the pipeline hands its scheduler (FLUX.1's, linear in the token count, by default)."""
+        from flowrl import sde
+
+        config = self.pipe.scheduler.config
+        return sde.calculate_shift(
+            self.image_seq_len(height, width, num_frames),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
 
     def custom_sigmas(self, num_steps: int) -> list[float] | None:
         """The explicit sigma list the pipeline hands its scheduler (FLUX does), or None."""

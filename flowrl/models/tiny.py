@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("sd3", "flux", "sana", "wan", "qwen_image")
+FAMILIES = ("sd3", "flux", "sana", "wan", "qwen_image", "flux2_klein")
 
 
 def _byte_unicode_table() -> list[str]:
@@ -76,6 +76,14 @@ def qwen2_tokenizer(max_length: int = 2048):
     tok.add_special_tokens({"additional_special_tokens": specials[1:]})
     tok.padding_side = "right"
     return tok
+
+
+# Qwen3's chat layout, with the empty think block that `enable_thinking=False` asks for (FLUX.2 [klein] prompts)
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
 
 
 def _clip_text_config():
@@ -377,7 +385,71 @@ def build_qwen_image(folder: Path) -> Path:
     return folder
 
 
-BUILDERS = {"sd3": build_sd3, "flux": build_flux, "sana": build_sana, "wan": build_wan, "qwen_image": build_qwen_image}
+def build_flux2_klein(folder: Path) -> Path:
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = qwen2_tokenizer(max_length=512)
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    pad, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    # 28 layers: the pipeline stacks hidden states 9, 18 and 27
+    text_encoder = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=28,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=1024,
+            bos_token_id=pad,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+    )
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(4, 8),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=1,
+        sample_size=32,
+        mid_block_add_attention=False,
+    )
+    with torch.no_grad():  # batch-norm statistics away from (0, 1), so that decoding exercises them
+        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, vae.bn.num_features))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=48,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+    pipe = Flux2KleinPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+    pipe.save_pretrained(folder)
+    return folder
+
+
+BUILDERS = {
+    "sd3": build_sd3,
+    "flux": build_flux,
+    "sana": build_sana,
+    "wan": build_wan,
+    "qwen_image": build_qwen_image,
+    "flux2_klein": build_flux2_klein,
+}
 
 # A size each tiny family runs at (height, width, num_frames) — divisible by its latent factors.
 TINY_SIZES = {
@@ -386,6 +458,7 @@ TINY_SIZES = {
     "sana": (32, 32, None),
     "wan": (16, 16, 5),
     "qwen_image": (32, 32, None),
+    "flux2_klein": (32, 32, None),
 }
 
 

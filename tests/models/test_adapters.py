@@ -12,6 +12,9 @@ from flowrl.models.tiny import FAMILIES, TINY_SIZES
 from flowrl.registry import SAMPLERS
 from flowrl.types import PromptBatch
 
+# one torch thread: the tiny models' kernels are too small for two, which spin-wait on a shared 2-core machine
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPTS = ["a red cat", "two blue dogs on a hill"]
 SEEDS = [3, 11]
 
@@ -26,7 +29,7 @@ def pipeline_call(pipe, family, prompts, seeds, steps, guidance, output_type, **
     else:
         kwargs["guidance_scale"] = guidance
     out = pipe(
-        prompts,
+        prompt=prompts,  # by name: FLUX.2 [klein]'s first argument is a conditioning image
         height=h,
         width=w,
         num_inference_steps=steps,
@@ -34,7 +37,17 @@ def pipeline_call(pipe, family, prompts, seeds, steps, guidance, output_type, **
         generator=[torch.Generator().manual_seed(s) for s in seeds],
         **kwargs,
     )
+    if family.startswith("flux2") and output_type == "latent":  # [klein] returns the VAE's latents: packed back
+        return packed_flux2_latents(pipe, out.images).float()
     return (out.frames if family == "wan" else out.images).float()
+
+
+def packed_flux2_latents(pipe, latents):
+    """FLUX.2's VAE latents [N, C, H, W] -> the packed, batch-normalised tokens [N, L, 4C] its transformer denoises."""
+    patches = pipe._patchify_latents(latents)
+    mean = pipe.vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(pipe.vae.bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
+    return pipe._pack_latents((patches - mean) / std)
 
 
 def ode(family, steps, guidance, decode=True):
@@ -60,6 +73,12 @@ def test_sigma_grid_equals_pipeline_scheduler(tiny_model, family, steps):
         c = scheduler.config
         mu = calculate_shift(model.image_seq_len(h, w), c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
         kwargs = {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": mu}
+    if family.startswith("flux2"):  # FLUX.2's empirical μ, from the pipeline module itself
+        import numpy as np
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        mu = compute_empirical_mu(model.image_seq_len(h, w), steps)
+        kwargs = {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": mu}
     if steps == 1 and scheduler.config.get("shift_terminal"):  # Qwen-Image: diffusers' one-step grid is NaN (0/0)
         with pytest.raises(ValueError, match="num_steps=1 with scheduler config shift_terminal"):
             model.sigmas(steps, h, w, f)
@@ -74,7 +93,11 @@ def test_initial_latents_equal_pipeline_for_same_seed(tiny_model, family):
     h, w, f = TINY_SIZES[family]
     ours = model.prepare_latents(1, h, w, torch.Generator().manual_seed(42), f)
     pipe = model.pipe
-    if family in ("flux", "qwen_image"):
+    if family.startswith("flux2"):
+        theirs, _ = pipe.prepare_latents(
+            1, pipe.transformer.config.in_channels // 4, h, w, torch.float32, "cpu", torch.Generator().manual_seed(42)
+        )
+    elif family in ("flux", "qwen_image"):
         theirs = pipe.prepare_latents(
             1, pipe.transformer.config.in_channels // 4, h, w, torch.float32, "cpu", torch.Generator().manual_seed(42)
         )

@@ -10,6 +10,8 @@ from test_adapters import PROMPTS, SEEDS, batch, ode, pipeline_call
 from flowrl.models import load_flow_model
 from flowrl.models.tiny import FAMILIES, TINY_SIZES
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as in test_adapters.py
+
 
 def latents_and_velocity(model, family):
     """A fixed input's velocity (guidance 1) with whatever adapter is active."""

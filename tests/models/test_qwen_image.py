@@ -7,6 +7,9 @@ from test_adapters import PROMPTS
 from flowrl.models import load_flow_model
 from flowrl.models.tiny import TINY_SIZES
 
+# one torch thread: the tiny models' kernels are too small for two, which spin-wait on a shared 2-core machine
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 @pytest.fixture(scope="module")
 def model(tiny_pipeline):

@@ -79,3 +79,47 @@ def test_sharded_preset_matches_one_process_and_resumes_plain(tmp_path, plain_ru
     shutil.rmtree(run / "checkpoints" / f"step_{STEPS:06d}")
     GRPOTrainer(load_config(config, ["checkpoint.resume=latest"])).train()
     assert max_difference(plain, weights(run)) < TOLERANCE
+
+
+TREE = {
+    "data": {"prompts": ["a red cat", "a blue dog", "a green tree"], "num_prompts_per_step": 2, "group_size": 4},
+    "sampler": {
+        "name": "tree",
+        "num_steps": 3,
+        "height": 32,
+        "width": 32,
+        "guidance_scale": 2.0,
+        "kind": "dance",
+        "noise_level": 0.7,
+        "split_steps": [0, 1],
+        "branching": 2,
+        "split_noise_scale": 2.0,
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,port", [("fsdp", 29543), ("deepspeed_zero2", 29544)])
+def test_tree_rollouts_train_sharded_as_in_one_process(tmp_path, tiny_pipeline, preset, port):
+    """A tree's leaves own different numbers of its edges (2, 1, 2, 1 here), yet every process (one tree each) runs
+    the same backward calls, so FSDP2 / ZeRO-2 train trees as one plain process with both trees does."""
+    extra = {"num_steps": STEPS, "checkpoint": {"every_n_steps": 1, "keep_last": 2}, **TREE}
+    plain = write_config(tmp_path, tiny_pipeline("sd3"), "one", **extra)
+    GRPOTrainer(load_config(plain)).train()
+    config = write_config(tmp_path, tiny_pipeline("sd3"), "sharded", **extra)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    cmd += [str(ROOT / "configs" / "accelerate" / f"{preset}.yaml"), "--num_processes", "2", "--main_process_port", str(port)]
+    done = subprocess.run(
+        [*cmd, str(ROOT / "scripts" / "train.py"), "--config", str(config)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    one, run = tmp_path / "runs" / "one", tmp_path / "runs" / "sharded"
+    assert json.loads((run / "launch.json").read_text())["sharding"] == preset.split("_")[0]
+    norms = [[json.loads(line)["train/grad_norm"] for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (one, run)]
+    assert len(norms[1]) == STEPS and norms[0] == pytest.approx(norms[1], rel=1e-4), norms
+    assert max_difference(weights(one), weights(run)) < TOLERANCE
+    assert any(float(v.abs().max()) > 0 for k, v in weights(run).items() if "lora_B" in k)

@@ -16,6 +16,7 @@ ADAPTERS = {
     "QwenImagePipeline": ("flowrl.models.qwen_image", "QwenImageFlowModel"),
     "Flux2Pipeline": ("flowrl.models.flux2", "Flux2FlowModel"),
     "Flux2KleinPipeline": ("flowrl.models.flux2", "Flux2FlowModel"),
+    "ZImagePipeline": ("flowrl.models.z_image", "ZImageFlowModel"),
 }
 
 DTYPES = {

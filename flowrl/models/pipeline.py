@@ -1,6 +1,6 @@
 """The part every diffusers-backed adapter shares: loading, the prompt cache, LoRA, the reference switch.
 
-A family file (sd3.py, flux.py, sana.py, wan.py, qwen_image.py) subclasses `PipelineFlowModel` and writes only what its
+A family file (sd3.py, flux.py, flux2.py, sana.py, wan.py, qwen_image.py, z_image.py) subclasses `PipelineFlowModel` and writes only what its
 pipeline does differently: how prompts are encoded, how latents are laid out, how the transformer is
 called and how latents decode. Time arithmetic comes from `flowrl.sde`.
 """
@@ -91,8 +91,13 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
 
         self.check_size(height, width, num_frames)
         shape = self._noise_shape(num, height, width, num_frames)
-        noise = randn_tensor(shape, generator=generator, device=self.device, dtype=self.transformer.dtype)
+        noise = randn_tensor(shape, generator=generator, device=self.device, dtype=self.noise_dtype)
         return self._pack(noise).float()
+
+    @property
+    def noise_dtype(self) -> torch.dtype:
+        """The dtype the pipeline draws its initial noise in (the transformer's, unless a family says otherwise)."""
+        return self.transformer.dtype
 
     def _noise_shape(self, num: int, height: int, width: int, num_frames: int | None) -> tuple[int, ...]:
         return (num, *self.latent_shape(height, width, num_frames))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("sd3", "flux", "sana", "wan", "qwen_image", "flux2_klein")
+FAMILIES = ("sd3", "flux", "sana", "wan", "qwen_image", "flux2_klein", "z_image")
 
 
 def _byte_unicode_table() -> list[str]:
@@ -442,6 +442,53 @@ def build_flux2_klein(folder: Path) -> Path:
     return folder
 
 
+def build_z_image(folder: Path) -> Path:
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(0)
+    tokenizer = qwen2_tokenizer(max_length=512)
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    pad, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    text_encoder = Qwen3Model(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=1024,
+            bos_token_id=pad,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+    )
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=4,
+        dim=32,
+        n_layers=1,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=16,
+        axes_dims=[4, 6, 6],
+        axes_lens=[1024, 64, 64],
+    )
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # Z-Image-Turbo's static shift
+        vae=_tiny_autoencoder_kl(),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(folder)
+    return folder
+
+
 BUILDERS = {
     "sd3": build_sd3,
     "flux": build_flux,
@@ -449,6 +496,7 @@ BUILDERS = {
     "wan": build_wan,
     "qwen_image": build_qwen_image,
     "flux2_klein": build_flux2_klein,
+    "z_image": build_z_image,
 }
 
 # A size each tiny family runs at (height, width, num_frames) — divisible by its latent factors.
@@ -459,6 +507,7 @@ TINY_SIZES = {
     "wan": (16, 16, 5),
     "qwen_image": (32, 32, None),
     "flux2_klein": (32, 32, None),
+    "z_image": (32, 32, None),
 }
 
 

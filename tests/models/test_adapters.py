@@ -29,7 +29,7 @@ def pipeline_call(pipe, family, prompts, seeds, steps, guidance, output_type, **
     else:
         kwargs["guidance_scale"] = guidance
     out = pipe(
-        prompt=prompts,  # by name: FLUX.2 [klein]'s first argument is a conditioning image
+        prompt=list(prompts),  # by name: FLUX.2 [klein]'s first argument is an image; a copy: Z-Image's rewrites it
         height=h,
         width=w,
         num_inference_steps=steps,
@@ -73,6 +73,8 @@ def test_sigma_grid_equals_pipeline_scheduler(tiny_model, family, steps):
         c = scheduler.config
         mu = calculate_shift(model.image_seq_len(h, w), c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
         kwargs = {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": mu}
+    if family == "z_image":  # ZImagePipeline's default grid: a float32 linspace (static shift, so no μ)
+        kwargs = {"sigmas": torch.linspace(1.0, 1 / steps, steps).tolist()}
     if family.startswith("flux2"):  # FLUX.2's empirical μ, from the pipeline module itself
         import numpy as np
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu

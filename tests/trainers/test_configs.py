@@ -22,6 +22,7 @@ REAL = {
     "wan-branchgrpo": "configs/wan/branchgrpo_video.yaml",
     "qwen_image": "configs/qwen_image/grpo_pickscore.yaml",
     "flux2_klein": "configs/flux2/grpo_hpsv2.yaml",
+    "z_image": "configs/z_image/grpo_pickscore.yaml",
     "sd3-solrl": "configs/sd3/solrl.yaml",
     "flux-solrl": "configs/flux/solrl.yaml",
     "sana-solrl": "configs/sana/solrl.yaml",

@@ -139,7 +139,7 @@ def train_loop(recipe, label: str) -> dict:
     `recipe.train_step()` with logging, evals and checkpoints on their cadences, a last checkpoint and eval.
 
     The recipe provides cfg, accelerator, run, step, train_step(), save(), resume(path), evaluate(step | None)
-    and scorer; every recipe's `train()` is this loop (the algorithm lives in its train_step)."""
+    and (if it scores through one) scorer; every recipe's `train()` is this loop (the algorithm lives in its train_step)."""
     from flowrl.checkpoint import resolve_resume
     from flowrl.config import dump_config, flatten, to_dict
 
@@ -168,7 +168,8 @@ def train_loop(recipe, label: str) -> dict:
         bar.close()
     recipe.save()
     final = recipe.evaluate(recipe.step)
-    recipe.scorer.close()
+    if getattr(recipe, "scorer", None) is not None:  # adjoint matching scores in its own step (with a gradient)
+        recipe.scorer.close()
     acc.wait_for_everyone()
     acc.end_training()
     return {"history": history, "final_eval": final}

@@ -19,6 +19,10 @@ from flowrl.trainers import TRAINERS, build_config, build_trainer
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 PROMPTS = ["two red circles", "one blue square", "three green triangles"]
+SAMPLER = {"name": "sde", "num_steps": 2, "guidance_scale": 1.0, "noise_level": 0.8}
+RECIPE_SAMPLERS = {  # recipes that need a particular rollout (each refuses any other at config time)
+    "adjoint_matching": {**SAMPLER, "noise_level": 2**0.5, "sigma_schedule": "dance", "sigma_shift": 1.0, "sigma_max": 0.9},
+}
 
 
 def toy_config(tmp_path, trainer, **overrides):
@@ -41,7 +45,7 @@ def toy_config(tmp_path, trainer, **overrides):
         "seed": 5,
         "model": {"path": "toy", "lora_rank": 4, "lora_alpha": 4},
         "data": {"prompts": PROMPTS[:2], "num_prompts_per_step": 1, "group_size": 2},
-        "sampler": {"name": "sde", "num_steps": 2, "guidance_scale": 1.0, "noise_level": 0.8},
+        "sampler": dict(RECIPE_SAMPLERS.get(trainer, SAMPLER)),
         "rewards": [{"name": "toy_attributes"}],
         "balancer": {"name": "weighted_sum", "std": "group"},
         "train": {k: v for k, v in train.items() if k in fields},

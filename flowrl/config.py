@@ -44,8 +44,11 @@ class ModelConfig:
     init_lora: str | None = None
     """Start from this LoRA (diffusers format folder) instead of a fresh adapter."""
     max_sequence_length: int | None = None
-    """Text tokens per prompt; None = the pipeline's default (SD3 256, FLUX 512, SANA 300, Wan 512; Flow-GRPO
-    trains SD3 with 128). The toy model has a fixed length."""
+    """Text tokens per prompt; None = the pipeline's default (SD3 256, FLUX 512, SANA 300, Wan 512, Qwen-Image 512
+    (at most 1024), FLUX.2 512, Z-Image 512; Flow-GRPO trains SD3 with 128). The toy model has a fixed length."""
+    train_expert: str | None = None
+    """Wan 2.2 A14B only: the expert that trains (and carries the LoRA), 'high' (`transformer`, the default) or
+    'low' (`transformer_2`); the other expert stays frozen."""
 
 
 @dataclass

@@ -73,8 +73,14 @@ def build_policy(model_cfg, device: str | torch.device):
     loaded from `init_lora`), gradient checkpointing on request, trained weights in float32 (frozen parts keep
     `model.dtype`). Call after seeding: a fresh adapter's initial weights come from the global RNG."""
     m = model_cfg
+    extra = {"train_expert": m.train_expert} if m.train_expert is not None else {}
     model = load_flow_model(
-        m.path, dtype=m.dtype, device=device, max_sequence_length=m.max_sequence_length, mixed_precision=m.mixed_precision
+        m.path,
+        dtype=m.dtype,
+        device=device,
+        max_sequence_length=m.max_sequence_length,
+        mixed_precision=m.mixed_precision,
+        **extra,
     )
     if m.use_lora:
         if m.init_lora:
@@ -96,6 +102,7 @@ def build_policy(model_cfg, device: str | torch.device):
 
 def _load(path_or_hub_id: str, dtype: torch.dtype, device, **kwargs):
     import importlib
+    import inspect
 
     from diffusers import DiffusionPipeline
 
@@ -126,4 +133,9 @@ def _load(path_or_hub_id: str, dtype: torch.dtype, device, **kwargs):
     pipe.set_progress_bar_config(disable=True)
     pipe.to(device)
     module, cls = ADAPTERS[class_name]
-    return getattr(importlib.import_module(module), cls)(pipe, device=device, dtype=dtype, **kwargs)
+    adapter = getattr(importlib.import_module(module), cls)
+    accepted = inspect.signature(adapter.__init__).parameters
+    for key in kwargs:
+        if key not in accepted:
+            raise ValueError(f"model.{key}={kwargs[key]!r} does not apply to {class_name} checkpoints; leave it unset")
+    return adapter(pipe, device=device, dtype=dtype, **kwargs)

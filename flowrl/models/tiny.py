@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("sd3", "flux", "sana", "wan", "qwen_image", "flux2_klein", "z_image")
+FAMILIES = ("sd3", "flux", "sana", "wan", "wan22_a14b", "wan22_ti2v", "qwen_image", "flux2_klein", "z_image")
 
 
 def _byte_unicode_table() -> list[str]:
@@ -290,12 +290,10 @@ def build_sana(folder: Path) -> Path:
     return folder
 
 
-def build_wan(folder: Path) -> Path:
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5EncoderModel
+def _tiny_wan_transformer():
+    from diffusers import WanTransformer3DModel
 
-    torch.manual_seed(0)
-    transformer = WanTransformer3DModel(
+    return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,
@@ -309,6 +307,17 @@ def build_wan(folder: Path) -> Path:
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     )
+
+
+def build_wan(folder: Path, two_experts: bool = False, expand_timesteps: bool = False) -> Path:
+    """Wan 2.1 T2V; `two_experts`: Wan 2.2 A14B's layout (a low-noise `transformer_2` below boundary_ratio 0.7, so
+    that a few steps use both); `expand_timesteps`: Wan 2.2 TI2V-5B's per-token timesteps."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+    from transformers import UMT5EncoderModel
+
+    torch.manual_seed(0)
+    transformer = _tiny_wan_transformer()
+    experts = {"transformer_2": _tiny_wan_transformer(), "boundary_ratio": 0.7} if two_experts else {}
     vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
     pipe = WanPipeline(
         transformer=transformer,
@@ -316,6 +325,8 @@ def build_wan(folder: Path) -> Path:
         vae=vae,
         text_encoder=UMT5EncoderModel(_t5_config(32, umt5=True)),
         tokenizer=t5_tokenizer(),
+        expand_timesteps=expand_timesteps,
+        **experts,
     )
     pipe.save_pretrained(folder)
     return folder
@@ -494,6 +505,8 @@ BUILDERS = {
     "flux": build_flux,
     "sana": build_sana,
     "wan": build_wan,
+    "wan22_a14b": lambda folder: build_wan(folder, two_experts=True),
+    "wan22_ti2v": lambda folder: build_wan(folder, expand_timesteps=True),
     "qwen_image": build_qwen_image,
     "flux2_klein": build_flux2_klein,
     "z_image": build_z_image,
@@ -505,6 +518,8 @@ TINY_SIZES = {
     "flux": (32, 32, None),
     "sana": (32, 32, None),
     "wan": (16, 16, 5),
+    "wan22_a14b": (16, 16, 5),
+    "wan22_ti2v": (16, 16, 5),
     "qwen_image": (32, 32, None),
     "flux2_klein": (32, 32, None),
     "z_image": (32, 32, None),

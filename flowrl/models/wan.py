@@ -1,8 +1,12 @@
 """Wan 2.1 / 2.2 text-to-video (WanPipeline): 3D DiT on Wan-VAE latents [N, C, F, H, W], UMT5 text encoder.
 
 True CFG makes two forward calls (conditional, then unconditional) exactly as the pipeline does. Wan 2.2's
-two-expert checkpoints (`transformer_2` with a `boundary_ratio`) pick the expert per sample by timestep; the
-trained module is `transformer` (the high-noise expert) unless `train_expert="low"` is passed.
+two-expert checkpoints (A14B: `transformer_2` with a `boundary_ratio`) pick the expert per sample by timestep, as
+the pipeline picks it per step (`transformer` at t >= boundary_ratio·1000, `transformer_2` below), with the same
+guidance scale for both (the pipeline's default for `guidance_scale_2`); the trained module (where LoRA lives) is
+`transformer`, the high-noise expert, unless `train_expert="low"` is passed. Wan 2.2 TI2V-5B text-to-video
+(`expand_timesteps`) hands the transformer one timestep per latent token, as its pipeline does
+(docs/models.md#wan-22).
 """
 
 from __future__ import annotations
@@ -32,8 +36,6 @@ class WanFlowModel(PipelineFlowModel):
 
     def __init__(self, pipe, device="cpu", dtype=torch.float32, train_expert: str = "high"):
         super().__init__(pipe, device, dtype)
-        if pipe.config.get("expand_timesteps", False):
-            raise ValueError("Wan pipelines with expand_timesteps=True (TI2V) are not supported; use a T2V checkpoint")
         if train_expert not in ("high", "low"):
             raise ValueError(f"train_expert={train_expert!r} must be 'high' or 'low'")
         if train_expert == "low" and getattr(pipe, "transformer_2", None) is not None:
@@ -79,6 +81,9 @@ class WanFlowModel(PipelineFlowModel):
         return (f // p[0]) * (h // p[1]) * (w // p[2])
 
     def _expert_forward(self, module, latents, timestep, embeds):
+        if self.pipe.config.get("expand_timesteps", False):  # TI2V: t for each token of the 2x2-patched latents
+            f, h, w = latents.shape[2:]
+            timestep = timestep[:, None].expand(-1, f * ((h + 1) // 2) * ((w + 1) // 2))  # [N, L]
         return module(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
 
     def _velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance_scale: float) -> torch.Tensor:

@@ -39,7 +39,7 @@ def pipeline_call(pipe, family, prompts, seeds, steps, guidance, output_type, **
     )
     if family.startswith("flux2") and output_type == "latent":  # [klein] returns the VAE's latents: packed back
         return packed_flux2_latents(pipe, out.images).float()
-    return (out.frames if family == "wan" else out.images).float()
+    return (out.frames if family.startswith("wan") else out.images).float()
 
 
 def packed_flux2_latents(pipe, latents):
@@ -104,7 +104,7 @@ def test_initial_latents_equal_pipeline_for_same_seed(tiny_model, family):
             1, pipe.transformer.config.in_channels // 4, h, w, torch.float32, "cpu", torch.Generator().manual_seed(42)
         )
         theirs = theirs[0] if family == "flux" else theirs  # FLUX also returns the image ids
-    elif family == "wan":
+    elif family.startswith("wan"):
         theirs = pipe.prepare_latents(
             1, pipe.transformer.config.in_channels, h, w, f, torch.float32, "cpu", torch.Generator().manual_seed(42)
         )

@@ -118,7 +118,7 @@ def step_batches(cfg, sampler, num_processes: int) -> tuple[GroupedPromptSampler
     prompts = load_prompts(d.prompts, d.prompts_file, d.toy_split, "data")
     prompt_sampler = GroupedPromptSampler(prompts, d.num_prompts_per_step, d.group_size, cfg.seed, whole)
     local_n = prompt_sampler.local_size(num_processes)
-    chunks = getattr(t, "num_rollout_batches", 1)  # a recipe that rolls out in one piece has no such key
+    chunks = t.num_rollout_batches
     if local_n % t.num_minibatches or local_n % chunks:
         raise ValueError(
             f"the {local_n} samples per process do not split into train.num_minibatches="

@@ -41,7 +41,7 @@ from flowrl.runs import RunFolder, step_metrics, train_loop
 from flowrl.scoring import build_rewards
 from flowrl.sde_memoryless import MEMORYLESS_NOISE_LEVEL, adjoint_residual, lean_adjoint
 from flowrl.seeds import step_generator
-from flowrl.types import select_cond
+from flowrl.types import Rollout, select_cond
 
 MEMORYLESS_SAMPLER = "sampler: {name: sde, kind: flow_grpo, noise_level: 1.4142135623730951, sigma_schedule: dance, sigma_shift: 1.0, sigma_max: 0.975}"
 
@@ -61,6 +61,8 @@ class AdjointMatchingConfig(OptimizerConfig):
     num_minibatches: int = 1
     """The step's local samples are split into this many minibatches (each trains every loss time)."""
     gradient_accumulation_steps: int = 1
+    num_rollout_batches: int = 1
+    """Rollouts are generated in this many chunks (bounds the sampler's activation memory)."""
     ema_every_n_steps: int = 1
 
 
@@ -155,7 +157,9 @@ class AdjointMatchingTrainer:
         # 2. Rollout: the memoryless SDE of the current weights, no gradient
         tic = time.perf_counter()
         model.transformer.eval()
-        rollout = self.sampler(model, batch, step=self.step)
+        size = self.local_n // t.num_rollout_batches
+        chunks = [batch.select(slice(c * size, (c + 1) * size)) for c in range(t.num_rollout_batches)]
+        rollout = Rollout.concat([self.sampler(model, chunk, step=self.step) for chunk in chunks])
         latents, sigmas, cond = rollout.latents.to(acc.device), rollout.sigmas.to(acc.device), rollout.cond
         rollout_s = time.perf_counter() - tic
 

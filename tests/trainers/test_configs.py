@@ -23,6 +23,10 @@ REAL = {
     "qwen_image": "configs/qwen_image/grpo_pickscore.yaml",
     "flux2_klein": "configs/flux2/grpo_hpsv2.yaml",
     "z_image": "configs/z_image/grpo_pickscore.yaml",
+    "sd3-ram": "configs/sd3/ram_pickscore.yaml",
+    "sd3-ram_ocr": "configs/sd3/ram_ocr.yaml",
+    "flux-ram": "configs/flux/ram_hpsv2.yaml",
+    "sd3-adjoint_matching": "configs/sd3/adjoint_matching_imagereward.yaml",
     "sd3-solrl": "configs/sd3/solrl.yaml",
     "flux-solrl": "configs/flux/solrl.yaml",
     "sana-solrl": "configs/sana/solrl.yaml",
@@ -69,6 +73,13 @@ def tiny_reward_kwargs(spec: dict, folder: Path) -> dict:
         return {**spec, "reward_config": TINY_REWARDS[spec["reward"]](folder / spec["reward"])}
     return {**spec, **TINY_REWARDS[spec["name"]](folder / spec["name"])}
 
+OWN_METRIC = {  # a metric only the recipe's own stage 6 logs
+    "grpo": "train/ratio_mean",
+    "nft": "train/positive_loss",
+    "ram": "train/target_norm",
+    "adjoint_matching": "train/grad_reward_norm",
+}
+
 
 @pytest.mark.parametrize("family", list(REAL))
 def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, tmp_path):
@@ -113,7 +124,7 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
     trainer = build_trainer(cfg)
     before = [p.detach().clone() for p in trainer.opt.params]
     metrics = trainer.train_step()
-    own = "train/ratio_mean" if cfg.trainer == "grpo" else "train/positive_loss"
+    own = OWN_METRIC[cfg.trainer]
     assert all(k in metrics for k in ("train/loss", own, f"reward/{cfg.rewards[0].name}/mean"))
     assert metrics["train/optimizer_steps"] == 2
     assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.opt.params))

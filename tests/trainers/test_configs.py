@@ -23,6 +23,8 @@ REAL = {
     "qwen_image": "configs/qwen_image/grpo_pickscore.yaml",
     "flux2_klein": "configs/flux2/grpo_hpsv2.yaml",
     "z_image": "configs/z_image/grpo_pickscore.yaml",
+    "wan22_a14b": "configs/wan/grpo_video_wan22_a14b.yaml",
+    "wan22_ti2v": "configs/wan/grpo_video_wan22_ti2v.yaml",
     "sd3-ram": "configs/sd3/ram_pickscore.yaml",
     "sd3-ram_ocr": "configs/sd3/ram_ocr.yaml",
     "flux-ram": "configs/flux/ram_hpsv2.yaml",
@@ -87,7 +89,7 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
     family = family.split("-")[0]
     data = yaml.safe_load(path.read_text())
     rewards = [tiny_reward_kwargs(spec, tmp_path / "rewards") for spec in data["rewards"]]
-    frames = ["sampler.num_frames=5"] if family == "wan" else []
+    frames = ["sampler.num_frames=5"] if family.startswith("wan") else []
     if "sde_window_size" in data["sampler"]:  # keep the window inside the shortened trajectory
         frames += ["sampler.sde_window_size=1", "sampler.sde_window_range=[0, 2]"]
     if "split_steps" in data["sampler"]:  # a tree of group_size = 2 leaves inside the 3 steps
@@ -97,7 +99,7 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
         frames += ["sampler.pool_size=3", "sampler.preview_num_steps=2", f"sampler.preview_backend={backend}"]
         if "cached" in backend and family == "wan":  # the tiny Wan has one block: FirstBlockCache needs two
             frames += ["sampler.preview_cache={type: taylorseer}"]
-    size = 16 if family == "wan" else 32
+    size = 16 if family.startswith("wan") else 32
     cfg = load_config(
         path,
         [

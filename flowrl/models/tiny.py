@@ -9,81 +9,15 @@ weights and tokenizers made in code (no download), and `save_pretrained`s the wh
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-FAMILIES = ("sd3", "flux", "sana", "wan", "wan22_a14b", "wan22_ti2v", "qwen_image", "flux2_klein", "z_image")
+from flowrl.models.tiny_tokenizers import QWEN3_CHAT_TEMPLATE, clip_tokenizer, gemma_tokenizer, qwen2_tokenizer, t5_tokenizer
 
-
-def _byte_unicode_table() -> list[str]:
-    """The 256 printable stand-ins for bytes used by byte-level BPE vocabularies (GPT-2/CLIP convention)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
-
-
-def clip_tokenizer(folder: Path):
-    """A character-level CLIP tokenizer (CLIP's byte alphabet, no merges): 514 tokens, max length 77."""
-    from transformers import CLIPTokenizer
-
-    chars = _byte_unicode_table()
-    vocab = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.json").write_text(json.dumps({tok: i for i, tok in enumerate(vocab)}))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(vocab=str(folder / "vocab.json"), merges=str(folder / "merges.txt"), model_max_length=77)
-
-
-def t5_tokenizer(max_length: int = 64):
-    """A character-level unigram T5 tokenizer (lowercase letters, digits, punctuation; 100 extra ids)."""
-    from transformers import T5TokenizerFast
-
-    pieces = ["<pad>", "</s>", "<unk>", "▁"] + [f"▁{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
-    pieces += list("abcdefghijklmnopqrstuvwxyz0123456789.,!?'\"-")
-    vocab = [(p, 0.0 if i < 3 else -float(i)) for i, p in enumerate(pieces)]
-    return T5TokenizerFast(vocab=vocab, extra_ids=100, model_max_length=max_length)
-
-
-def gemma_tokenizer(max_length: int = 64):
-    """A byte-level BPE Gemma tokenizer without merges (characters only)."""
-    from transformers import GemmaTokenizerFast
-
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
-    chars = [chr(c) for c in range(32, 127)] + ["▁"]
-    vocab = {tok: i for i, tok in enumerate(specials + chars)}
-    tok = GemmaTokenizerFast(vocab=vocab, merges=[], model_max_length=max_length)
-    tok.padding_side = "right"
-    return tok
-
-
-def qwen2_tokenizer(max_length: int = 2048):
-    """A byte-level BPE Qwen2 tokenizer without merges (the byte alphabet) and Qwen's chat special tokens."""
-    from transformers import Qwen2Tokenizer
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {tok: i for i, tok in enumerate(_byte_unicode_table() + specials)}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=max_length)
-    tok.add_special_tokens({"additional_special_tokens": specials[1:]})
-    tok.padding_side = "right"
-    return tok
-
-
-# Qwen3's chat layout, with the empty think block that `enable_thinking=False` asks for (FLUX.2 [klein] prompts)
-QWEN3_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
+FAMILIES = ("sd3", "flux", "sana", "wan", "wan22_a14b", "wan22_ti2v", "qwen_image", "flux2_klein", "flux2_dev", "z_image")
 
 
 def _clip_text_config():
@@ -396,8 +330,91 @@ def build_qwen_image(folder: Path) -> Path:
     return folder
 
 
+def _tiny_flux2_parts(guidance_embeds: bool):
+    """The tiny FLUX.2 VAE (batch-norm statistics away from (0, 1), so decoding exercises them) and transformer."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(4, 8),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=1,
+        sample_size=32,
+        mid_block_add_attention=False,
+    )
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, vae.bn.num_features))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=48,  # three stacked text-encoder layers of 16
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
+    )
+    return vae, transformer
+
+
+def build_flux2_dev(folder: Path) -> Path:
+    """FLUX.2 [dev]: Mistral-3 (31 layers: the pipeline stacks hidden states 10, 20, 30) behind a Pixtral processor
+    whose chat template reads the pipeline's multimodal message lists; the transformer has a guidance embedding."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessor, PixtralProcessor
+
+    torch.manual_seed(0)
+    tokenizer = qwen2_tokenizer(max_length=512)
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]}
+    )
+    template = "{% for m in messages %}[{{ m['role'] }}]{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}"
+    processor = PixtralProcessor(
+        image_processor=PixtralImageProcessor(), tokenizer=tokenizer, chat_template=template, patch_size=16
+    )
+    pad, eos, image = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "[IMG]"])
+    text = {"vocab_size": len(tokenizer), "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 31}
+    text_encoder = Mistral3ForConditionalGeneration(
+        Mistral3Config(
+            text_config={
+                **text,
+                "model_type": "mistral",
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "head_dim": 8,
+                "max_position_embeddings": 1024,
+                "pad_token_id": pad,
+                "bos_token_id": pad,
+                "eos_token_id": eos,
+            },
+            vision_config={
+                "model_type": "pixtral",
+                "hidden_size": 16,
+                "intermediate_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "head_dim": 8,
+                "image_size": 32,
+                "patch_size": 16,
+            },
+            image_token_index=image,
+            spatial_merge_size=1,
+        )
+    )
+    vae, transformer = _tiny_flux2_parts(guidance_embeds=True)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+    pipe = Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=processor, transformer=transformer)
+    pipe.save_pretrained(folder)
+    return folder
+
+
 def build_flux2_klein(folder: Path) -> Path:
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -420,31 +437,7 @@ def build_flux2_klein(folder: Path) -> Path:
             pad_token_id=pad,
         )
     )
-    vae = AutoencoderKLFlux2(
-        block_out_channels=(4, 8),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=1,
-        sample_size=32,
-        mid_block_add_attention=False,
-    )
-    with torch.no_grad():  # batch-norm statistics away from (0, 1), so that decoding exercises them
-        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, vae.bn.num_features))
-        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
-    transformer = Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=48,
-        timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4),
-        guidance_embeds=False,
-    )
+    vae, transformer = _tiny_flux2_parts(guidance_embeds=False)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
     pipe = Flux2KleinPipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
@@ -509,6 +502,7 @@ BUILDERS = {
     "wan22_ti2v": lambda folder: build_wan(folder, expand_timesteps=True),
     "qwen_image": build_qwen_image,
     "flux2_klein": build_flux2_klein,
+    "flux2_dev": build_flux2_dev,
     "z_image": build_z_image,
 }
 
@@ -522,6 +516,7 @@ TINY_SIZES = {
     "wan22_ti2v": (16, 16, 5),
     "qwen_image": (32, 32, None),
     "flux2_klein": (32, 32, None),
+    "flux2_dev": (32, 32, None),
     "z_image": (32, 32, None),
 }
 

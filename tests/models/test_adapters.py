@@ -37,7 +37,7 @@ def pipeline_call(pipe, family, prompts, seeds, steps, guidance, output_type, **
         generator=[torch.Generator().manual_seed(s) for s in seeds],
         **kwargs,
     )
-    if family.startswith("flux2") and output_type == "latent":  # [klein] returns the VAE's latents: packed back
+    if family == "flux2_klein" and output_type == "latent":  # [klein] returns the VAE's latents: packed back
         return packed_flux2_latents(pipe, out.images).float()
     return (out.frames if family.startswith("wan") else out.images).float()
 

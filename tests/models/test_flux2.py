@@ -67,3 +67,18 @@ def test_lora_reaches_the_single_stream_blocks(tiny_model):
     names = [n for n, p in model.transformer.named_parameters() if p.requires_grad]
     assert any(n.startswith("single_transformer_blocks.") and "to_qkv_mlp_proj" in n for n in names)
     assert any(n.startswith("transformer_blocks.") and "add_q_proj" in n for n in names)
+
+
+@torch.no_grad()
+def test_dev_feeds_guidance_to_its_embedding_with_one_call(tiny_model):
+    model = tiny_model("flux2_dev")
+    assert not model.klein and model.transformer.config.guidance_embeds and not model.uses_cfg(4.0)
+    cond = model.encode(PROMPTS[:1], guidance_scale=4.0)
+    assert set(cond) == {"prompt_embeds"} and cond["prompt_embeds"].shape[1] == 512  # padded by the pipeline
+    x = model.prepare_latents(1, 32, 32, torch.Generator().manual_seed(0))
+    seen = []
+    hook = model.transformer.register_forward_pre_hook(lambda m, a, k: seen.append(k["guidance"]), with_kwargs=True)
+    low, high = (model.velocity(x, torch.tensor([0.5]), cond, s) for s in (1.5, 4.0))
+    hook.remove()
+    assert [g.tolist() for g in seen] == [[1.5], [4.0]]  # one forward per call, the scale as the embedding's input
+    assert (low - high).abs().max() > 1e-4

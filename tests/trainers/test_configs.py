@@ -22,6 +22,7 @@ REAL = {
     "wan-branchgrpo": "configs/wan/branchgrpo_video.yaml",
     "qwen_image": "configs/qwen_image/grpo_pickscore.yaml",
     "flux2_klein": "configs/flux2/grpo_hpsv2.yaml",
+    "flux2_dev": "configs/flux2/grpo_hpsv2_dev.yaml",
     "z_image": "configs/z_image/grpo_pickscore.yaml",
     "wan22_a14b": "configs/wan/grpo_video_wan22_a14b.yaml",
     "wan22_ti2v": "configs/wan/grpo_video_wan22_ti2v.yaml",

@@ -55,12 +55,12 @@ def run_one_step(cfg):
     captured, seen = {}, {}
     original_optimise, original_step = trainer._optimise, trainer.opt.step
 
-    def optimise(rollout, advantages, keep):
+    def optimise(rollout, advantages, keep, *rest):  # rest: the per-reward advantages (MARBLE's)
         # shift some stored log-probs so that ratios leave the clip band on both sides
         rollout.log_probs[0] += 2 * CLIP
         rollout.log_probs[1] -= 2 * CLIP
         seen.update(rollout=rollout, advantages=advantages.clone())
-        return original_optimise(rollout, advantages, keep)
+        return original_optimise(rollout, advantages, keep, *rest)
 
     def step(losses):
         for name, p in zip(trainer.opt.names, trainer.opt.params):

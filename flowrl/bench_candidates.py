@@ -8,7 +8,8 @@ full precision (the config's ODE, `num_steps`) and by each preview backend, both
 backend, in one process, side by side:
 
   preview_cost_ratio  preview seconds per sample / full seconds per sample (generation and decoding; building the
-                      preview copy counts to the preview; scoring counts to neither)
+                      preview copy counts to the preview; scoring counts to neither), each prompt's full pool
+                      generated again right after its preview so that both see the same machine load
   spearman_median     median over prompts of Spearman's ρ between preview and full scores of the pool (kendall too)
   topk_overlap        mean share of the full top k (k = K // 2, K = the config's group size) in the preview's top k;
                       bottom_intrusion: of the preview's top k, the share in the full bottom k
@@ -101,26 +102,33 @@ def _full(model, sampler, prompts, pools, score_fn) -> tuple[list[torch.Tensor],
     return scores, seconds
 
 
-def _previews(model, sampler, prompts, pools, score_fn) -> tuple[list[torch.Tensor], float]:
+def _previews(model, sampler, prompts, pools, score_fn, full_sampler) -> tuple[list[torch.Tensor], float]:
+    """Preview scores of every pool and the preview cost per sample over the full cost per sample, timed side by side:
+    each prompt's full-precision pool is generated again right after its preview (the building of the preview copy
+    counts to the preview)."""
     from flowrl.quant import build_preview
     from flowrl.samplers.candidates import previewing
     from flowrl.samplers.sde import resolve_size
     from flowrl.seeds import sample_generators
+    from flowrl.types import PromptBatch
 
     size = resolve_size(sampler, model)
     guidance = sampler.guidance_scale if sampler.guidance_scale is not None else model.default_guidance_scale
     tic = time.perf_counter()
     preview = build_preview(model.transformer, sampler.spec, model.family)
-    seconds, scores = time.perf_counter() - tic, []
-    for prompt, pool in zip(prompts, pools):
+    seconds, full_seconds, scores = time.perf_counter() - tic, 0.0, []
+    for i, (prompt, pool) in enumerate(zip(prompts, pools)):
         cond = model.encode([prompt] * len(pool), sampler.negative_prompt, guidance)
         tic = time.perf_counter()
         latents = model.prepare_latents(len(pool), *size[:2], sample_generators(pool, model.device), size[2])
         with previewing(model, preview), torch.no_grad():
             images = model.decode(sampler._preview(model, latents, cond, guidance, size))
         seconds += time.perf_counter() - tic
+        tic = time.perf_counter()
+        full_sampler(model, PromptBatch([prompt] * len(pool), torch.full((len(pool),), i), seeds=pool))
+        full_seconds += time.perf_counter() - tic
         scores.append(score_fn(images, [prompt] * len(pool), [{}] * len(pool)))
-    return scores, seconds
+    return scores, seconds / full_seconds
 
 
 def fidelity(preview: list[torch.Tensor], full: list[torch.Tensor], kept: int, selection: str) -> dict[str, float]:
@@ -150,6 +158,7 @@ def fidelity(preview: list[torch.Tensor], full: list[torch.Tensor], kept: int, s
 
 
 def bench_world(name: str, folder: Path, num_prompts: int, backends=BACKENDS) -> dict:
+    """One world's JSON entry: the config's backend at the top level, every backend under 'backends'."""
     import dataclasses
 
     model, sampler, score_fn, prompts, kept = _world(name, folder, num_prompts)
@@ -162,13 +171,11 @@ def bench_world(name: str, folder: Path, num_prompts: int, backends=BACKENDS) ->
     for backend in dict.fromkeys([default, *backends]):
         try:
             variant = dataclasses.replace(sampler, preview_backend=backend)
-            preview, preview_s = _previews(model, variant, prompts, pools, score_fn)
+            preview, ratio = _previews(model, variant, prompts, pools, score_fn, sampler.full_sampler)
         except ValueError as err:
             results[backend] = {"error": str(err)}
             continue
-        _, again = _full(model, sampler, prompts[:1], pools[:1], score_fn)  # the full cost again, beside this backend
-        per_full = min(full_s / len(prompts), again)
-        results[backend] = {"preview_cost_ratio": (preview_s / len(prompts)) / per_full}
+        results[backend] = {"preview_cost_ratio": ratio}
         results[backend].update(fidelity(preview, full, kept, sampler.selection))
     shown = default
     if "error" in results[default]:  # a kernel backend this machine lacks: its exact emulation stands in

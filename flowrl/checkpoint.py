@@ -338,13 +338,15 @@ def restore_training_state(
     return ts
 
 
-def save_recipe(recipe, groups: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+def save_recipe(recipe, groups: dict[str, dict[str, torch.Tensor]] | None = None, extra: dict | None = None) -> Path:
     """`save_training_state` for a recipe object (its accelerator, run, step, opt, ema, model, counters and cfg), with
-    the prompt sampler's position; `groups` the recipe's extra tensor groups (e.g. {"adapter_old": tensors})."""
+    the prompt sampler's position; `groups` the recipe's extra tensor groups (e.g. {"adapter_old": tensors}), `extra`
+    its own small state (e.g. MARBLE's α)."""
     from flowrl.config import dump_config
 
     cfg = recipe.cfg
     state = {"prompt_sampler_position": recipe.step * cfg.data.num_prompts_per_step, "counters": recipe.counters}
+    state.update(extra or {})
     return save_training_state(
         recipe.accelerator,
         recipe.run.root,
@@ -359,11 +361,13 @@ def save_recipe(recipe, groups: dict[str, dict[str, torch.Tensor]] | None = None
     )
 
 
-def resume_recipe(recipe, path: str | Path, groups: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
-    """Restore what `save_recipe` wrote into a recipe object: its step and counters, and later metrics forgotten."""
+def resume_recipe(recipe, path: str | Path, groups: dict[str, dict[str, torch.Tensor]] | None = None) -> dict:
+    """Restore what `save_recipe` wrote into a recipe object: its step and counters, and later metrics forgotten.
+    Returns the saved trainer state (the recipe reads its `extra` keys from it)."""
     from flowrl.config import to_dict
 
     state = restore_training_state(path, recipe.accelerator, recipe.opt, recipe.ema, to_dict(recipe.cfg), groups)
     recipe.step, recipe.counters = int(state["step"]), dict(state["counters"])
     if recipe.accelerator.is_main_process:
         recipe.run.forget_after(recipe.step)
+    return state

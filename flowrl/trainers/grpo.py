@@ -31,8 +31,8 @@ import torch
 from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.advantages import FUSIONS, WIDTH_PRUNINGS, tree_edge_advantages
-from flowrl.checkpoint import restore_training_state, save_training_state
-from flowrl.config import RunConfig, dump_config, to_dict
+from flowrl.checkpoint import resume_recipe, save_recipe
+from flowrl.config import RunConfig
 from flowrl.distributed import Sharding, make_accelerator
 from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import clipped_policy_loss
@@ -343,27 +343,12 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------ state
     def save(self):
-        state = {"prompt_sampler_position": self.step * self.cfg.data.num_prompts_per_step, "counters": self.counters}
-        state["reward_gradients"] = self.reward_grads.state_dict()
-        return save_training_state(
-            self.accelerator,
-            self.run.root,
-            self.step,
-            self.opt,
-            self.ema,
-            self.model,
-            state,
-            dump_config(self.cfg),
-            self.cfg.checkpoint.keep_last,
-        )
+        return save_recipe(self, extra={"reward_gradients": self.reward_grads.state_dict()})
 
     def resume(self, path) -> None:
-        state = restore_training_state(path, self.accelerator, self.opt, self.ema, to_dict(self.cfg))
-        self.step, self.counters = int(state["step"]), dict(state["counters"])
-        if "reward_gradients" in state:  # MARBLE's α
+        state = resume_recipe(self, path)
+        if "reward_gradients" in state:  # MARBLE's ᾱ and refresh clock
             self.reward_grads.load_state_dict(state["reward_gradients"])
-        if self.accelerator.is_main_process:
-            self.run.forget_after(self.step)
 
     def evaluate(self, step: int | None) -> dict | None:
         """The fixed evaluation of the current weights (EMA once an EMA update happened); None = the base model."""

@@ -31,8 +31,8 @@ import torch
 
 from flowrl import sde
 from flowrl import seeds as seed_formulas
-from flowrl.checkpoint import restore_training_state, save_training_state
-from flowrl.config import RunConfig, dump_config, to_dict
+from flowrl.checkpoint import resume_recipe, save_recipe
+from flowrl.config import RunConfig
 from flowrl.distributed import make_accelerator
 from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import ADV_MODES, nft_loss, velocity_kl
@@ -256,29 +256,14 @@ class NFTTrainer:
 
     # ------------------------------------------------------------------------------------------ state
     def save(self):
-        state = {"prompt_sampler_position": self.step * self.cfg.data.num_prompts_per_step, "counters": self.counters}
-        state["reward_gradients"] = self.reward_grads.state_dict()
-        return save_training_state(
-            self.accelerator,
-            self.run.root,
-            self.step,
-            self.opt,
-            self.ema,
-            self.model,
-            state,
-            dump_config(self.cfg),
-            self.cfg.checkpoint.keep_last,
-            groups={"adapter_old": self.old_params},
+        return save_recipe(
+            self, groups={"adapter_old": self.old_params}, extra={"reward_gradients": self.reward_grads.state_dict()}
         )
 
     def resume(self, path) -> None:
-        groups = {"adapter_old": self.old_params}
-        state = restore_training_state(path, self.accelerator, self.opt, self.ema, to_dict(self.cfg), groups)
-        self.step, self.counters = int(state["step"]), dict(state["counters"])
+        state = resume_recipe(self, path, groups={"adapter_old": self.old_params})
         if "reward_gradients" in state:  # MARBLE's ᾱ and refresh clock
             self.reward_grads.load_state_dict(state["reward_gradients"])
-        if self.accelerator.is_main_process:
-            self.run.forget_after(self.step)
 
     def evaluate(self, step: int | None) -> dict | None:
         """The fixed evaluation of θ (its EMA once an EMA update happened); None = the base model."""

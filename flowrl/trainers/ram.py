@@ -43,6 +43,7 @@ from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
 from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.runs import RunFolder, step_metrics, train_loop
+from flowrl.samplers.candidates import candidate_metrics
 from flowrl.scoring import Scorer, balance, build_rewards, rollout_and_score
 from flowrl.types import select_cond
 
@@ -143,14 +144,16 @@ class RAMTrainer:
         # 2. Rollout with the old policy and 3. Score
         with model.using_adapter(OLD):
             rollout, local, rollout_s = rollout_and_score(
-                self.sampler, model, batch, self.scorer, t.num_rollout_batches, self.step
+                self.sampler, model, batch, self.scorer, t.num_rollout_batches, self.step, self.weights
             )
+        sampler_metrics = candidate_metrics(rollout)  # candidate pools: preview/full rank fidelity; else empty
         x0, cond = rollout.final_latents().to(acc.device), rollout.cond  # [N, *latent_shape]; rows [N]
         del rollout
 
         # 4. Gather and 5. Balance: advantages [N] of this process's samples, failed samples kept out
         advantages, keep, metrics, errors = balance(acc, local, batch, self.balancer, self.weights)
         self.counters["reward_errors"] += errors
+        metrics.update(sampler_metrics)
 
         # 6. Optimise, then step the old policy's EMA
         tic = time.perf_counter()

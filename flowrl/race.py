@@ -124,7 +124,8 @@ def _run_recipe(recipe: str, seed: int, overrides: list[str], every: int | None,
         finally:
             if bar is not None:
                 bar.close()
-            trainer.scorer.close()
+            if getattr(trainer, "scorer", None) is not None:  # adjoint matching scores inside its step
+                trainer.scorer.close()
     return {
         "curve": curve,
         "final_judge_accuracy": final["judge_accuracy"],

@@ -35,7 +35,13 @@ RECIPES = {
         "trainer": "ram",
         "sampler": {"name": "ode", "num_steps": 3, "guidance_scale": 1.0},
         "balancer": {"name": "weighted_sum", "std": "none"},
-        "train": {"learning_rate": 3e-3, "adam_epsilon": ADAM_EPSILON, "reward_multiplier": 10.0, "num_loss_targets_per_sample": 2, "use_async_rewards": False},
+        "train": {
+            "learning_rate": 3e-3,
+            "adam_epsilon": ADAM_EPSILON,
+            "reward_multiplier": 10.0,
+            "num_loss_targets_per_sample": 2,
+            "use_async_rewards": False,
+        },
     },
     "adjoint_matching": {
         "trainer": "adjoint_matching",

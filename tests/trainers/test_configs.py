@@ -76,6 +76,7 @@ def tiny_reward_kwargs(spec: dict, folder: Path) -> dict:
         return {**spec, "reward_config": TINY_REWARDS[spec["reward"]](folder / spec["reward"])}
     return {**spec, **TINY_REWARDS[spec["name"]](folder / spec["name"])}
 
+
 OWN_METRIC = {  # a metric only the recipe's own stage 6 logs
     "grpo": "train/ratio_mean",
     "nft": "train/positive_loss",

@@ -9,9 +9,9 @@ log-prob is computed in float32, whatever the dtype of the network (docs/math.md
 Contents
   schedules      shift_sigmas, calculate_shift, flux2_shift, scheduler_sigmas, timesteps_from_sigmas, dance_sigmas
   estimates      x0_from_velocity, noise_from_velocity
-  steps          sde_std, sde_step (kinds "ode", "flow_grpo", "dance", "cps")
-  divergence     gaussian_kl
+  steps          sde_std, sde_step (kinds "ode", "flow_grpo", "dance", "cps"); divergence: gaussian_kl
   re-scoring     StepRule, transition_stds, rescore_transition (what trainers call on stored transitions)
+  memoryless     (flowrl/sde_memoryless.py) adjoint matching's σ_d, lean adjoint and residual
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ KL_FORMS = ("code", "paper")
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
-# ---------------------------------------------------------------------------------------------------------
-# Schedules
-# ---------------------------------------------------------------------------------------------------------
+# ---- Schedules -------------------------------------------------------------------------------------------------------
 
 # FlowMatchEulerDiscreteScheduler's constructor arguments and their defaults (diffusers 0.35 - 0.42).
 _SCHEDULER_DEFAULTS: dict[str, object] = {
@@ -86,11 +84,8 @@ def calculate_shift(
 
 
 def flux2_shift(image_seq_len: int, num_steps: int) -> float:
-    """FLUX.2's dynamic-shift exponent μ, fitted by Black Forest Labs rather than set by two config points.
-
-    Two lines in the token count, μ at 10 and at 200 steps, joined by a line in the step count; above 4,300
-    tokens the 200-step line alone. The same arithmetic as diffusers' FLUX.2 pipelines, so the float is identical.
-    """
+    """FLUX.2's dynamic-shift exponent μ (fitted by Black Forest Labs): lines in the token count at 10 and at 200 steps,
+    joined by a line in the step count; above 4,300 tokens the 200-step line alone (diffusers' arithmetic, same float)."""
     at_200 = 0.00016927 * image_seq_len + 0.45666666
     if image_seq_len > 4300:
         return float(at_200)
@@ -222,17 +217,13 @@ def timesteps_from_sigmas(sigmas: torch.Tensor, num_train_timesteps: int = 1000)
 
 def dance_sigmas(num_steps: int, shift: float, sigma_max: float = 1.0) -> torch.Tensor:
     """DanceGRPO / BranchGRPO grid [T+1]: `shift(linspace(σ_max, 0, T+1); s)` in float32 (docs/math.md#sigma-grids).
-
-    s = 3 for FLUX, 5 for HunyuanVideo, σ_max = 1 (< 1: adjoint matching's grid stops short of the singular σ = 1).
-    """
+    s = 3 for FLUX, 5 for HunyuanVideo, σ_max = 1 (< 1: adjoint matching's grid stops short of the singular σ = 1)."""
     if not (isinstance(num_steps, (int, np.integer)) and num_steps >= 1) or not 0 < sigma_max <= 1:
         raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1 and sigma_max={sigma_max!r} in (0, 1]")
     return shift_sigmas(torch.linspace(sigma_max, 0, num_steps + 1), shift)  # [T+1]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Clean-sample and noise estimates (exact identities of the linear interpolant, docs/math.md#sigma-time-convention)
-# ---------------------------------------------------------------------------------------------------------
+# ---- Clean-sample and noise estimates (exact identities of the linear interpolant, docs/math.md#sigma-time-convention) ---
 
 
 def _batch_view(value: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -260,9 +251,7 @@ def forward_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: float | torch.Te
     return (1 - sigma) * x0.float() + sigma * noise.float()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Stochastic steps
-# ---------------------------------------------------------------------------------------------------------
+# ---- Stochastic steps ------------------------------------------------------------------------------------------------
 
 
 def _check_kind(kind: str) -> None:
@@ -496,9 +485,7 @@ def sde_step(
     return prev_sample, log_prob, mean, std
 
 
-# ---------------------------------------------------------------------------------------------------------
-# KL between the policy's and the reference's transition Gaussians (common std)
-# ---------------------------------------------------------------------------------------------------------
+# ---- KL between the policy's and the reference's transition Gaussians (common std) -----------------------------------
 
 
 def gaussian_kl(
@@ -545,9 +532,7 @@ def gaussian_kl(
     return torch.where(positive, distance / (2 * safe_variance), torch.zeros_like(distance))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Re-scoring stored transitions (the trainer side of a rollout)
-# ---------------------------------------------------------------------------------------------------------
+# ---- Re-scoring stored transitions (the trainer side of a rollout) ---------------------------------------------------
 
 
 @dataclass(frozen=True)

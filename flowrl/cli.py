@@ -15,6 +15,12 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="local diffusers folder, hub id, or 'toy'")
     p.add_argument("--lora", default=None, help="folder or .safetensors of a LoRA in the diffusers format")
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        help="source image of edit / image-to-video models: one for every prompt, or one per --prompt in order",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--num-images-per-prompt",
@@ -60,6 +66,11 @@ def _run_sample(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-images-per-prompt={num_images} must be >= 1 (images per prompt, seeds --seed, --seed+1, ...)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out!r} is a file, not a folder; pass a folder (created when missing)")
+    images = [os.path.abspath(p) for p in args.image or []]
+    if images and len(images) not in (1, len(args.prompt)):
+        raise ValueError(f"{len(images)} --image for {len(args.prompt)} --prompt; give one image, or one per prompt")
+    for path in images:
+        media.load_image(path)  # a missing or unreadable file: its one-line error now
     lora_file = None
     if args.lora:
         lora_file = os.path.join(args.lora, WEIGHT_NAME) if os.path.isdir(args.lora) else args.lora
@@ -89,6 +100,13 @@ def _run_sample(args: argparse.Namespace) -> int:
                 f"--lora {lora_file!r} does not fit the {model.family} model {args.model!r} "
                 f"({type(err).__name__}: {detail}); pass a LoRA trained on this model"
             ) from None
+    conditioned = getattr(model, "conditioning", None) is not None
+    if images and not conditioned:
+        raise ValueError(
+            f"--image given to the text-only {model.family} model {args.model!r}; drop --image or use an edit / image-to-video model"
+        )
+    if conditioned and not images:
+        raise ValueError(f"the {model.family} model {args.model!r} edits or animates a source image; pass --image PATH")
     default_h, default_w, default_f = model.native_size
     height, width, num_frames = args.height or default_h, args.width or default_w, args.num_frames or default_f
     options = dict(
@@ -102,7 +120,8 @@ def _run_sample(args: argparse.Namespace) -> int:
     prompts = list(args.prompt)
     os.makedirs(args.out, exist_ok=True)
     for seed in range(args.seed, args.seed + num_images):
-        batch = PromptBatch(prompts, torch.arange(len(prompts)), seeds=torch.full((len(prompts),), seed))
+        metadata = [{"image": images[min(i, len(images) - 1)]} if images else {} for i in range(len(prompts))]
+        batch = PromptBatch(prompts, torch.arange(len(prompts)), metadata, seeds=torch.full((len(prompts),), seed))
         rollout = sampler(model, batch)
         for i, (prompt, media_tensor) in enumerate(zip(prompts, rollout.images)):
             slug = re.sub(r"[^a-zA-Z0-9]+", "_", prompt)[:48].strip("_")

@@ -12,6 +12,7 @@ scores.json (format "flowrl.eval/1"); P prompts, S seeds, samples in prompt-majo
       "is_video": false,
       "prompts": [str] * P, "seeds": [int] * S,
       "metadata": [dict] * P,                   # per prompt (e.g. GenEval tags), {} when none
+      "sources": [str | null] * P,              # only with source images: "p000_source.png" (edit / image-to-video)
       "rewards": {"train": [name, ...],         # rewards the run optimises
                   "gold": [name, ...]},         # eval-only rewards (the reward-hacking witnesses)
       "samples": [{"prompt_index": p, "seed_index": s, "seed": int,
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 
 from flowrl import media
-from flowrl.prompts import load_prompts
+from flowrl.prompts import load_prompt_records
 from flowrl.reward_contract import nan_to_none, score_checked
 from flowrl.samplers.ode import ODESampler
 from flowrl.scoring import build_rewards
@@ -183,6 +184,7 @@ def evaluate(
     space = "pixel" if diversity_features is None else getattr(diversity_features, "__name__", type(diversity_features).__name__)
     start = time.perf_counter()
 
+    sources = _copy_sources(metadata, out)  # [P] the source image beside its samples (edit / image-to-video)
     samples: list[dict[str, Any]] = []
     features: list[torch.Tensor] = []  # [b, D] per batch
     for begin in range(0, len(pairs), batch_size):
@@ -234,6 +236,7 @@ def evaluate(
         "prompts": list(prompts),
         "seeds": [int(s) for s in seeds],
         "metadata": metadata,
+        **({"sources": sources} if any(sources) else {}),
         "rewards": {
             "train": [n for n in rewards if n in train_reward_names],
             "gold": [n for n in rewards if n not in train_reward_names],
@@ -253,6 +256,17 @@ def evaluate(
     return result
 
 
+def _copy_sources(metadata: list[dict], out: Path) -> list[str | None]:
+    """Each prompt's source image (metadata "image") copied into `out` as p<P>_source.png; None where it has none."""
+    sources: list[str | None] = []
+    for p, meta in enumerate(metadata):
+        if meta.get("image") is None:
+            sources.append(None)
+            continue
+        sources.append(os.path.basename(media.save_image(media.load_image(meta["image"]), str(out / f"p{p:03d}_source.png"))))
+    return sources
+
+
 class Evaluator:
     """A run's fixed evaluation: eval prompts x eval seeds through the ODE sampler, training + gold rewards.
 
@@ -269,6 +283,7 @@ class Evaluator:
         eval_cfg,
         sampler_defaults: dict,
         prompts: list[str],
+        metadata: list[dict] | None = None,
     ):
         e, d = eval_cfg, sampler_defaults
         self.model, self.cfg = model, e
@@ -278,6 +293,7 @@ class Evaluator:
             raise ValueError(f"eval.gold_rewards repeats the training reward(s) {overlap}; a gold reward must be another reward")
         self.rewards = {**rewards, **gold_rewards}
         self.prompts = prompts[: e.num_prompts] if e.num_prompts else list(prompts)
+        self.metadata = list(metadata)[: len(self.prompts)] if metadata is not None else None
         self.sampler = ODESampler(
             num_steps=e.num_steps,
             height=e.height or d.get("height"),
@@ -292,11 +308,12 @@ class Evaluator:
         """From a run config; `rewards` are the already-built training rewards (built here when None)."""
         e = cfg.eval
         if e.prompts or e.prompts_file or e.toy_split:
-            prompts = load_prompts(e.prompts, e.prompts_file, e.toy_split, "eval")
+            prompts, metadata = load_prompt_records(e.prompts, e.prompts_file, e.toy_split, "eval")
         else:
-            prompts = load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data")
+            prompts, metadata = load_prompt_records(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data")
         rewards = rewards if rewards is not None else build_rewards(cfg.rewards, model.device)
-        return cls(model, rewards, build_rewards(e.gold_rewards, model.device), e, dict(cfg.sampler.kwargs), prompts)
+        gold = build_rewards(e.gold_rewards, model.device)
+        return cls(model, rewards, gold, e, dict(cfg.sampler.kwargs), prompts, metadata)
 
     def run(
         self, out_dir: str | os.PathLike, step: int, label: str, weights: str | None = None, batch_size: int | None = None
@@ -307,6 +324,7 @@ class Evaluator:
             self.rewards,
             out_dir,
             prompts=self.prompts,
+            metadata=self.metadata,
             seeds=list(self.cfg.seeds),
             sampler=self.sampler,
             train_reward_names=self.train_reward_names,

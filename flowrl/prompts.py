@@ -2,12 +2,19 @@
 
 prompts = load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data")
 sampler = GroupedPromptSampler(prompts, num_prompts_per_step=8, group_size=8, seed=0)
+
+A prompts file is plain text (one prompt a line, `#` comments) or, named `*.jsonl`, one JSON object a line:
+`{"prompt": "make the sky red", "image": "sources/beach.png", ...}`. `image` (a path relative to the file) is the
+source image of edit and image-to-video models; it and every other key reach the adapter and every reward as the
+sample's `metadata` (`load_prompt_records` returns them; docs/models.md#conditioning-images).
 batch = sampler.local_batch(step, accelerator.process_index, accelerator.num_processes)
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,6 +24,14 @@ from flowrl.types import PromptBatch
 
 def load_prompts(prompts: list[str] | None, prompts_file: str | None, toy_split: str | None, where: str) -> list[str]:
     """The prompt list of a data or eval section, checked non-empty; `where` names the section in errors."""
+    return load_prompt_records(prompts, prompts_file, toy_split, where)[0]
+
+
+def load_prompt_records(
+    prompts: list[str] | None, prompts_file: str | None, toy_split: str | None, where: str
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """(prompts [P], metadata [P]) of a data or eval section: a JSONL file's extra keys per prompt (its `image`
+    resolved against the file's folder and checked to exist), {} for every other source."""
     if prompts is not None:
         out = [p for p in prompts if p.strip()]
     elif prompts_file is not None:
@@ -32,6 +47,8 @@ def load_prompts(prompts: list[str] | None, prompts_file: str | None, toy_split:
                 f"{where}.prompts_file={prompts_file!r} is not UTF-8 text (byte {err.start}); "
                 "give a text file with one prompt per line"
             ) from None
+        if path.suffix == ".jsonl":
+            return _jsonl_records(path, text, where)
         out = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     elif toy_split is not None:
         from flowrl.toy.world import split_prompts
@@ -41,7 +58,35 @@ def load_prompts(prompts: list[str] | None, prompts_file: str | None, toy_split:
         raise ValueError(f"{where} needs one of prompts, prompts_file, toy_split")
     if not out:
         raise ValueError(f"{where}: the prompt list is empty; add at least one prompt")
-    return out
+    return out, [{} for _ in out]
+
+
+def _jsonl_records(path: Path, text: str, where: str) -> tuple[list[str], list[dict[str, Any]]]:
+    prompts, metadata = [], []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        at = f"{where}.prompts_file={str(path)!r} line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f'{at} is not JSON ({err.msg}); write one object a line, e.g. {{"prompt": "a cat"}}') from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+            raise ValueError(f'{at} has no "prompt" string; write one object a line, e.g. {{"prompt": "a cat"}}')
+        extra = {k: v for k, v in record.items() if k != "prompt"}
+        if "image" in extra:
+            image = extra["image"]
+            if not isinstance(image, str) or not image:
+                raise ValueError(f'{at}: "image"={image!r} must be a path to a PNG or JPEG (relative to the file)')
+            resolved = (path.parent / image).resolve()
+            if not resolved.is_file():
+                raise FileNotFoundError(f'{at}: "image"={image!r} does not exist (looked at {str(resolved)!r}); fix the path')
+            extra["image"] = str(resolved)
+        prompts.append(record["prompt"].strip())
+        metadata.append(extra)
+    if not prompts:
+        raise ValueError(f"{where}: the prompt list is empty; add at least one prompt")
+    return prompts, metadata
 
 
 class GroupedPromptSampler:
@@ -53,11 +98,22 @@ class GroupedPromptSampler:
     count and then keeps every group on one process (tree rollouts need their group together).
     """
 
-    def __init__(self, prompts: list[str], num_prompts_per_step: int, group_size: int, seed: int, whole_groups: bool = False):
+    def __init__(
+        self,
+        prompts: list[str],
+        num_prompts_per_step: int,
+        group_size: int,
+        seed: int,
+        whole_groups: bool = False,
+        metadata: list[dict[str, Any]] | None = None,
+    ):
         if not prompts:
             raise ValueError("GroupedPromptSampler: the prompt list is empty; add at least one prompt")
+        if metadata is not None and len(metadata) != len(prompts):
+            raise ValueError(f"GroupedPromptSampler: {len(metadata)} metadata entries for {len(prompts)} prompts; give one each")
         self.prompts, self.b, self.g, self.seed = prompts, num_prompts_per_step, group_size, seed
         self.whole_groups = whole_groups
+        self.metadata = metadata if metadata is not None else [{} for _ in prompts]
 
     def _prompt_index(self, position: int) -> int:
         epoch, offset = divmod(position, len(self.prompts))
@@ -72,7 +128,7 @@ class GroupedPromptSampler:
         return PromptBatch(
             prompts,
             group_ids,
-            [{} for _ in prompts],
+            [dict(self.metadata[i]) for i in indices for _ in range(self.g)],  # [B*G] each sample its prompt's record
             seeds=seeds,
             global_index=torch.arange(self.b * self.g),
             group_seeds=group_seeds,
@@ -115,8 +171,8 @@ def step_batches(cfg, sampler, num_processes: int) -> tuple[GroupedPromptSampler
             f"data.group_size={d.group_size} but the tree of sampler.split_steps={list(sampler.split_steps)} and "
             f"sampler.branching={sampler.branching} has {leaves} leaves; set data.group_size={leaves}"
         )
-    prompts = load_prompts(d.prompts, d.prompts_file, d.toy_split, "data")
-    prompt_sampler = GroupedPromptSampler(prompts, d.num_prompts_per_step, d.group_size, cfg.seed, whole)
+    prompts, metadata = load_prompt_records(d.prompts, d.prompts_file, d.toy_split, "data")
+    prompt_sampler = GroupedPromptSampler(prompts, d.num_prompts_per_step, d.group_size, cfg.seed, whole, metadata)
     local_n = prompt_sampler.local_size(num_processes)
     chunks = t.num_rollout_batches
     if local_n % t.num_minibatches or local_n % chunks:

@@ -30,6 +30,7 @@ from typing import ClassVar
 import torch
 
 from flowrl import sde
+from flowrl.models.conditioning import encode_prompts
 from flowrl.quant import DEFAULT_SKIP, PreviewSpec, build_preview, parse_backend
 from flowrl.ranking import bottom_intrusion, kendall, nanmedian, select_indices, spearman, topk_overlap
 from flowrl.registry import SAMPLERS
@@ -234,7 +235,7 @@ class CandidatesSampler:
                 pool_rollouts.append(self.full_sampler(model, pool_batch, score_fn=score_fn, step=step))
                 images.append(pool_rollouts[-1].images)
             else:
-                cond = model.encode(group_prompts, self.negative_prompt, guidance)
+                cond = encode_prompts(model, group_prompts, group_meta, self.negative_prompt, guidance, size)
                 latents = model.prepare_latents(self.pool_size, *size[:2], sample_generators(pool, model.device), size[2])
                 with previewing(model, preview):
                     x0 = self._preview(model, latents, cond, guidance, size)

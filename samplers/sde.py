@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from flowrl import sde
+from flowrl.models.conditioning import encode_prompts
 from flowrl.registry import SAMPLERS
 from flowrl.seeds import NOISE_STREAM, sample_generators, window_start
 from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
@@ -58,9 +59,9 @@ def start_rollout(sampler, model: FlowModel, batch: PromptBatch, generator: torc
     The noise of a sample equals what the diffusers pipeline draws with `Generator().manual_seed(seed)`.
     """
     guidance = sampler.guidance_scale if sampler.guidance_scale is not None else model.default_guidance_scale
-    cond = model.encode(batch.prompts, sampler.negative_prompt, guidance)
-    seeds = batch_seeds(batch, generator)
     size = resolve_size(sampler, model)
+    cond = encode_prompts(model, batch.prompts, batch.metadata, sampler.negative_prompt, guidance, size)
+    seeds = batch_seeds(batch, generator)
     init_seeds = latent_seeds(batch, seeds, sampler.same_latent)
     latents = model.prepare_latents(len(seeds), size[0], size[1], sample_generators(init_seeds, model.device), size[2])
     return guidance, cond, seeds, latents, size

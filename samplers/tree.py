@@ -36,6 +36,7 @@ from typing import ClassVar
 import torch
 
 from flowrl import sde
+from flowrl.models.conditioning import encode_prompts
 from flowrl.registry import SAMPLERS
 from flowrl.samplers.sde import batch_seeds, latent_seeds, resolve_size
 from flowrl.seeds import NOISE_STREAM, sample_generators
@@ -180,14 +181,14 @@ class TreeSampler:
     ) -> Rollout:
         # 1. Prompts, seeds and trees (one per group)
         guidance = self.guidance_scale if self.guidance_scale is not None else model.default_guidance_scale
-        cond = model.encode(batch.prompts, self.negative_prompt, guidance)
+        height, width, frames = resolve_size(self, model)
+        cond = encode_prompts(model, batch.prompts, batch.metadata, self.negative_prompt, guidance, (height, width, frames))
         seeds = batch_seeds(batch, generator)
         trees = self.trees(batch)
         first = torch.tensor([rows[0] for rows in trees])  # [B] one row per tree
         tree_seeds = latent_seeds(batch, seeds, same_latent=True)[first]  # [B]
         tree_cond = select_cond(cond, first.to(cond[next(iter(cond))].device))
         # 2. Roots: each tree's initial noise from its group seed (the SDE sampler's shared noise)
-        height, width, frames = resolve_size(self, model)
         x = model.prepare_latents(len(trees), height, width, sample_generators(tree_seeds, model.device), frames).float()
         # 3. Time grid, per-step noise levels, the tree's shape
         sigmas = self.grid(model).to(model.device)  # [T+1]

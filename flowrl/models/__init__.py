@@ -14,6 +14,8 @@ ADAPTERS = {
     "SanaPipeline": ("flowrl.models.sana", "SanaFlowModel"),
     "WanPipeline": ("flowrl.models.wan", "WanFlowModel"),
     "QwenImagePipeline": ("flowrl.models.qwen_image", "QwenImageFlowModel"),
+    "QwenImageEditPipeline": ("flowrl.models.qwen_image_edit", "QwenImageEditFlowModel"),
+    "QwenImageEditPlusPipeline": ("flowrl.models.qwen_image_edit", "QwenImageEditFlowModel"),
     "Flux2Pipeline": ("flowrl.models.flux2", "Flux2FlowModel"),
     "Flux2KleinPipeline": ("flowrl.models.flux2", "Flux2FlowModel"),
     "ZImagePipeline": ("flowrl.models.z_image", "ZImageFlowModel"),

@@ -1,6 +1,6 @@
 """The part every diffusers-backed adapter shares: loading, the prompt cache, LoRA, the reference switch.
 
-A family file (sd3.py, flux.py, flux2.py, sana.py, wan.py, qwen_image.py, z_image.py) subclasses `PipelineFlowModel` and writes only what its
+A family file (sd3.py, flux.py, flux2.py, sana.py, wan.py, wan_i2v.py, qwen_image.py, qwen_image_edit.py, z_image.py) subclasses `PipelineFlowModel` and writes only what its
 pipeline does differently: how prompts are encoded, how latents are laid out, how the transformer is
 called and how latents decode. Time arithmetic comes from `flowrl.sde`.
 """
@@ -25,6 +25,7 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
     pipeline_classes: tuple[str, ...] = ()  # diffusers pipeline class names this adapter accepts
     default_guidance_scale: float = 1.0
     max_sequence_length: int = 512  # text tokens per prompt; each family states its pipeline's default
+    conditioning: str | None = None  # "image": edit / image-to-video families take a source image per sample
 
     def __init__(self, pipe: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.pipe = pipe
@@ -35,23 +36,44 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
             if isinstance(component, torch.nn.Module):
                 component.eval()
                 component.requires_grad_(False)
-        self._cache: dict[tuple[str, str | None], Cond] = {}
+        self._cache: dict[tuple, Cond] = {}  # (prompt, negative[, image, size]) -> rows [1]
 
     # ----------------------------------------------------------------------------------------- prompts
     def _encode_batch(self, prompts: list[str], negative_prompt: str | None) -> Cond:
         """Encode prompts (and the negative prompt when not None) with the pipeline; rows [N]."""
         raise NotImplementedError
 
+    def _encode_source(self, prompt: str, negative_prompt: str | None, image: str, size: tuple) -> Cond:
+        """One prompt with its source image (edit and image-to-video families); rows [1]."""
+        raise NotImplementedError
+
     @torch.no_grad()
-    def encode(self, prompts: list[str], negative_prompt: str = "", guidance_scale: float = 1.0) -> Cond:
+    def encode(
+        self,
+        prompts: list[str],
+        negative_prompt: str = "",
+        guidance_scale: float = 1.0,
+        images: list[str] | None = None,
+        size: tuple[int, int, int | None] | None = None,
+    ) -> Cond:
+        """Prompts [N] (and, for `conditioning = "image"` families, each one's source image path and the sample
+        size (height, width, num_frames) the images are prepared for: flowrl.models.conditioning)."""
         if len(prompts) == 0:
             raise ValueError("prompts is empty: pass at least one prompt")
         negative = negative_prompt if self.uses_cfg(guidance_scale) else None
+        if self.conditioning is None:
+            if images is not None and any(i is not None for i in images):
+                raise ValueError(f"images={images[:1]!r}...: the {self.family} model is text-only; pass no images")
+            keys = [(p, negative) for p in prompts]
+        else:
+            if images is None or size is None or len(images) != len(prompts) or any(i is None for i in images):
+                raise ValueError(f"the {self.family} model needs one source image per prompt and the sample size")
+            keys = [(p, negative, image, tuple(size)) for p, image in zip(prompts, images)]
         # one prompt per text-encoder call: an embedding must not depend on which prompts shared its batch
         # (batch-size-dependent numerics would make a resumed run drift from an uninterrupted one)
-        for prompt in dict.fromkeys(p for p in prompts if (p, negative) not in self._cache):
-            self._cache[(prompt, negative)] = self._encode_batch([prompt], negative)
-        return concat_cond([self._cache[(p, negative)] for p in prompts])
+        for key in dict.fromkeys(k for k in keys if k not in self._cache):
+            self._cache[key] = self._encode_batch([key[0]], negative) if len(key) == 2 else self._encode_source(*key)
+        return concat_cond([self._cache[k] for k in keys])
 
     def set_max_sequence_length(self, length: int) -> None:
         """Text tokens per prompt (the pipelines' `max_sequence_length`); clears the prompt cache."""

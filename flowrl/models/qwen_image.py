@@ -40,12 +40,18 @@ class QwenImageFlowModel(PackedLatentsMixin, PipelineFlowModel):
         super().set_max_sequence_length(length)
 
     # ----------------------------------------------------------------------------------------- prompts
-    def _embeds(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """One prompt's embeddings [1, L, D] and mask [1, L], zero-padded to max_sequence_length tokens."""
+    def _embeds(self, prompt: str, **image) -> tuple[torch.Tensor, torch.Tensor]:
+        """One prompt's embeddings [1, L, D] and mask [1, L], zero-padded to max_sequence_length tokens (`image`:
+        the edit pipelines' prompt image)."""
         embeds, mask = self.pipe.encode_prompt(
-            prompt=[prompt], device=self.device, num_images_per_prompt=1, max_sequence_length=self.max_sequence_length
+            prompt=[prompt], device=self.device, num_images_per_prompt=1, max_sequence_length=self.max_sequence_length, **image
         )
         length = embeds.shape[1]
+        if length > self.max_sequence_length:  # the edit pipelines do not truncate (their prompt holds the image)
+            raise ValueError(
+                f"prompt {prompt[:40]!r} encodes to {length} text tokens (with its image), above "
+                f"model.max_sequence_length={self.max_sequence_length}; raise model.max_sequence_length to {length} or more"
+            )
         if mask is None:  # the pipeline drops an all-ones mask
             mask = torch.ones(1, length, dtype=torch.long, device=embeds.device)
         pad = self.max_sequence_length - length
@@ -80,17 +86,22 @@ class QwenImageFlowModel(PackedLatentsMixin, PipelineFlowModel):
             return_dict=False,
         )[0]
 
+    def _transformer_input(self, latents: torch.Tensor, cond: Cond) -> tuple[torch.Tensor, list]:
+        """The transformer's hidden states and `img_shapes` for packed latents [N, L, 4C] (the edit pipelines
+        append the source image's tokens)."""
+        return latents, [[(1, *self._grid(latents.shape[1]))]] * latents.shape[0]
+
     def _velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance_scale: float) -> torch.Tensor:
         from flowrl.sde import timesteps_from_sigmas
 
-        n, seq_len, _ = latents.shape
-        img_shapes = [[(1, *self._grid(seq_len))]] * n
+        seq_len = latents.shape[1]
+        hidden, img_shapes = self._transformer_input(latents, cond)
         timestep = timesteps_from_sigmas(sigma).to(latents.dtype) / 1000  # the pipeline's t / 1000
-        out = self._forward(latents, timestep, cond["prompt_embeds"], cond["prompt_embeds_mask"], img_shapes)
+        out = self._forward(hidden, timestep, cond["prompt_embeds"], cond["prompt_embeds_mask"], img_shapes)[:, :seq_len]
         if self.uses_cfg(guidance_scale):
             neg = self._forward(
-                latents, timestep, cond["negative_prompt_embeds"], cond["negative_prompt_embeds_mask"], img_shapes
-            )
+                hidden, timestep, cond["negative_prompt_embeds"], cond["negative_prompt_embeds_mask"], img_shapes
+            )[:, :seq_len]
             combined = neg + guidance_scale * (out - neg)
             # rescaled per token to the conditional prediction's norm over channels
             out = combined * (torch.norm(out, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))

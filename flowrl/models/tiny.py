@@ -18,6 +18,8 @@ import torch
 from flowrl.models.tiny_tokenizers import QWEN3_CHAT_TEMPLATE, clip_tokenizer, gemma_tokenizer, qwen2_tokenizer, t5_tokenizer
 
 FAMILIES = ("sd3", "flux", "sana", "wan", "wan22_a14b", "wan22_ti2v", "qwen_image", "flux2_klein", "flux2_dev", "z_image")
+# families conditioned on a source image per sample (edit, image-to-video): their own tests hand every sample one
+CONDITIONED_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
 
 
 def _clip_text_config():
@@ -266,15 +268,16 @@ def build_wan(folder: Path, two_experts: bool = False, expand_timesteps: bool = 
     return folder
 
 
-def build_qwen_image(folder: Path) -> Path:
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+def _tiny_qwen_vl(tokenizer, vision_tokens: bool = False):
+    """A 2-layer Qwen2.5-VL (1-block vision tower); `vision_tokens`: its image / video / vision-start ids are the
+    tokenizer's (the edit pipelines put images in the prompt)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    torch.manual_seed(0)
-    tokenizer = qwen2_tokenizer()
     pad, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    names = ("image_token_id", "video_token_id", "vision_start_token_id")
+    ids = dict(zip(names, tokenizer.convert_tokens_to_ids(list(VL_TOKENS)))) if vision_tokens else {}
     text = {"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2}
-    text_encoder = Qwen2_5_VLForConditionalGeneration(
+    return Qwen2_5_VLForConditionalGeneration(
         Qwen2_5_VLConfig(
             text_config={
                 **text,
@@ -291,8 +294,19 @@ def build_qwen_image(folder: Path) -> Path:
             bos_token_id=pad,
             eos_token_id=eos,
             pad_token_id=pad,
+            **ids,
         )
     )
+
+
+# Qwen2.5-VL's image tokens, in the order of its config's image / video / vision-start ids
+VL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>")
+
+
+def _tiny_qwen_image_parts():
+    """The tiny Qwen-Image VAE, transformer and scheduler (shared by Qwen-Image and its edit pipelines)."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
     # 4-channel video VAE, 4x down (two stages); the transformer packs 2x2 of its latents per token
     vae = AutoencoderKLQwenImage(
         base_dim=4,
@@ -323,8 +337,44 @@ def build_qwen_image(folder: Path) -> Path:
         time_shift_type="exponential",
         use_dynamic_shifting=True,
     )
+    return vae, transformer, scheduler
+
+
+def build_qwen_image(folder: Path) -> Path:
+    from diffusers import QwenImagePipeline
+
+    torch.manual_seed(0)
+    tokenizer = qwen2_tokenizer()
+    text_encoder = _tiny_qwen_vl(tokenizer)
+    vae, transformer, scheduler = _tiny_qwen_image_parts()
     pipe = QwenImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def build_qwen_image_edit(folder: Path, plus: bool = False) -> Path:
+    """Qwen-Image-Edit (`plus`: Edit Plus, 2509): the Qwen-Image parts, and a Qwen2-VL processor whose image
+    processor sizes every image to 56x56 (2x2 merged patches of 14: 4 image tokens in the prompt)."""
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    torch.manual_seed(0)
+    tokenizer = qwen2_tokenizer()
+    tokenizer.add_tokens([*VL_TOKENS, "<|vision_end|>"], special_tokens=True)
+    text_encoder = _tiny_qwen_vl(tokenizer, vision_tokens=True)
+    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56)
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor())
+    vae, transformer, scheduler = _tiny_qwen_image_parts()
+    cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    pipe = cls(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        processor=processor,
+        transformer=transformer,
     )
     pipe.save_pretrained(folder)
     return folder
@@ -501,6 +551,8 @@ BUILDERS = {
     "wan22_a14b": lambda folder: build_wan(folder, two_experts=True),
     "wan22_ti2v": lambda folder: build_wan(folder, expand_timesteps=True),
     "qwen_image": build_qwen_image,
+    "qwen_image_edit": build_qwen_image_edit,
+    "qwen_image_edit_plus": lambda folder: build_qwen_image_edit(folder, plus=True),
     "flux2_klein": build_flux2_klein,
     "flux2_dev": build_flux2_dev,
     "z_image": build_z_image,
@@ -515,6 +567,8 @@ TINY_SIZES = {
     "wan22_a14b": (16, 16, 5),
     "wan22_ti2v": (16, 16, 5),
     "qwen_image": (32, 32, None),
+    "qwen_image_edit": (32, 32, None),
+    "qwen_image_edit_plus": (32, 32, None),
     "flux2_klein": (32, 32, None),
     "flux2_dev": (32, 32, None),
     "z_image": (32, 32, None),
@@ -524,7 +578,7 @@ TINY_SIZES = {
 def build_tiny_pipeline(family: str, folder: str | Path) -> Path:
     """Build the tiny random pipeline of `family` and save it to `folder` (created). Returns the folder."""
     if family not in BUILDERS:
-        raise ValueError(f"family={family!r} has no tiny pipeline; choose one of {', '.join(FAMILIES)}")
+        raise ValueError(f"family={family!r} has no tiny pipeline; choose one of {', '.join(BUILDERS)}")
     folder = Path(folder)
     if (folder / "model_index.json").exists():
         return folder

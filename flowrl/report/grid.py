@@ -88,7 +88,8 @@ def caption_lines(sample: dict[str, Any] | None, rewards: list[str]) -> list[str
 def render_grid(
     blocks: list[EvalRecord], prompts: list[str], seeds: list[int], rewards: list[str], thumb: int = 128, font_size: int = 12
 ) -> tuple[Image.Image, dict[str, Any]]:
-    """Blocks (checkpoints) side by side; in each, rows = prompts and columns = seeds.
+    """Blocks (checkpoints) side by side; in each, rows = prompts and columns = seeds. Runs of edit and image-to-video
+    models (scores.json "sources") show each prompt's source image in a column before the blocks.
 
     Returns the grid and its geometry: `cells[(block, prompt_index, seed_index)] = (x0, y0, x1, y1)` of the
     image box and `captions[...]` the caption lines drawn under it (text starting at (x0, y1 + pad)).
@@ -108,7 +109,8 @@ def render_grid(
                     if images[b, p, s] is not None or sample is None
                     else ["missing image"] + caption_lines(sample, rewards)
                 )
-    present = [im for im in images.values() if im is not None]
+    sources = _source_thumbnails(blocks, prompts, thumb)  # [P] the edit / image-to-video source of each prompt
+    present = [im for im in [*images.values(), *sources] if im is not None]
     image_w = max((im.width for im in present), default=thumb)
     image_h = max((im.height for im in present), default=thumb)
     text_w = max((painter.length(line) for lines in captions.values() for line in lines), default=0)
@@ -116,13 +118,19 @@ def render_grid(
     max_lines = max((len(lines) for lines in captions.values()), default=1)
     cell_h = image_h + pad + max_lines * line_h + pad
     label_w, header_h, block_gap = 180, 2 * line_h + 2 * pad, 16
-    width = label_w + len(blocks) * len(seeds) * cell_w + (len(blocks) - 1) * block_gap
+    source_w = cell_w + block_gap if any(im is not None for im in sources) else 0  # a source column after the labels
+    width = label_w + source_w + len(blocks) * len(seeds) * cell_w + (len(blocks) - 1) * block_gap
     height = header_h + len(prompts) * cell_h
     grid = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(grid)
     cells: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+    if source_w:
+        draw.text((label_w + pad, pad), "source", fill="black", font=title_font)
+        for p, image in enumerate(sources):
+            if image is not None:
+                grid.paste(image, (label_w + pad, header_h + p * cell_h + pad))
     for b, record in enumerate(blocks):
-        x_block = label_w + b * (len(seeds) * cell_w + block_gap)
+        x_block = label_w + source_w + b * (len(seeds) * cell_w + block_gap)
         draw.text((x_block + pad, pad), record.title, fill="black", font=title_font)
         for s, seed in enumerate(seeds):
             draw.text((x_block + s * cell_w + pad, pad + line_h), f"seed {seed}", fill="black", font=font)
@@ -150,6 +158,20 @@ def render_grid(
         "line_height": line_h,
         "pad": pad,
     }
+
+
+def _source_thumbnails(blocks: list[EvalRecord], prompts: list[str], thumb: int) -> list[Image.Image | None]:
+    """Each prompt's source image (scores.json "sources"), from the first block that has one; None where none."""
+    out: list[Image.Image | None] = []
+    for prompt in prompts:
+        found = None
+        for record in blocks:
+            names, listed = record.scores.get("sources") or [], record.scores.get("prompts", [])
+            if prompt in listed and names[listed.index(prompt)] and (record.path / names[listed.index(prompt)]).is_file():
+                found = _open_thumbnail(record.path / names[listed.index(prompt)], thumb)
+                break
+        out.append(found)
+    return out
 
 
 def _wrap(text: str, font: ImageFont.ImageFont, width: int) -> list[str]:

@@ -152,9 +152,20 @@ def samples_section(run: RunRecord, blocks: list[EvalRecord], thumb: int) -> str
     prompts, seeds = blocks[0].scores.get("prompts", []), blocks[0].scores.get("seeds", [])
     head1 = "".join(f'<th colspan="{len(seeds)}">{esc(b.title)}</th>' for b in blocks)
     head2 = "".join(f"<th>seed {esc(s)}</th>" for _ in blocks for s in seeds)
+    sources = {}  # edit / image-to-video runs: each prompt's source image (scores.json "sources"), shown first
+    for b in reversed(blocks):
+        for prompt, name in zip(b.scores.get("prompts", []), b.scores.get("sources") or []):
+            if name:
+                sources[prompt] = b.path / name
+    if sources:
+        head1 = f'<th rowspan="2">source</th>{head1}'
     body = []
     for prompt in prompts:
         cells = []
+        if sources:
+            tag = image_tag(sources[prompt], thumb) if prompt in sources else None
+            missing = '<span class="missing">no source</span>'
+            cells.append(f"<td>{tag or missing}</td>")
         for b in blocks:
             for seed in seeds:
                 sample = b.sample(prompt, seed)

@@ -24,6 +24,7 @@ REAL = {
     "flux2_klein": "configs/flux2/grpo_hpsv2.yaml",
     "flux2_dev": "configs/flux2/grpo_hpsv2_dev.yaml",
     "z_image": "configs/z_image/grpo_pickscore.yaml",
+    "qwen_image_edit": "configs/qwen_image_edit/grpo_edit.yaml",
     "wan22_a14b": "configs/wan/grpo_video_wan22_a14b.yaml",
     "wan22_ti2v": "configs/wan/grpo_video_wan22_ti2v.yaml",
     "sd3-ram": "configs/sd3/ram_pickscore.yaml",

@@ -13,6 +13,7 @@ ADAPTERS = {
     "FluxPipeline": ("flowrl.models.flux", "FluxFlowModel"),
     "SanaPipeline": ("flowrl.models.sana", "SanaFlowModel"),
     "WanPipeline": ("flowrl.models.wan", "WanFlowModel"),
+    "WanImageToVideoPipeline": ("flowrl.models.wan_i2v", "WanI2VFlowModel"),
     "QwenImagePipeline": ("flowrl.models.qwen_image", "QwenImageFlowModel"),
     "QwenImageEditPipeline": ("flowrl.models.qwen_image_edit", "QwenImageEditFlowModel"),
     "QwenImageEditPlusPipeline": ("flowrl.models.qwen_image_edit", "QwenImageEditFlowModel"),

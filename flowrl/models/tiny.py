@@ -19,7 +19,7 @@ from flowrl.models.tiny_tokenizers import QWEN3_CHAT_TEMPLATE, clip_tokenizer, g
 
 FAMILIES = ("sd3", "flux", "sana", "wan", "wan22_a14b", "wan22_ti2v", "qwen_image", "flux2_klein", "flux2_dev", "z_image")
 # families conditioned on a source image per sample (edit, image-to-video): their own tests hand every sample one
-CONDITIONED_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
+CONDITIONED_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus", "wan_i2v")
 
 
 def _clip_text_config():
@@ -340,6 +340,48 @@ def _tiny_qwen_image_parts():
     return vae, transformer, scheduler
 
 
+def build_wan_i2v(folder: Path) -> Path:
+    """Wan 2.1 image-to-video (WanImageToVideoPipeline): the Wan 2.1 parts, a transformer over 16 noise + 4 mask + 16
+    condition channels with an image embedding, and a 1-layer CLIP vision encoder (65 tokens of a 32x32 crop)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=36,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=1,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+        image_dim=8,
+        added_kv_proj_dim=24,
+    )
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+    image_encoder = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=4
+        )
+    )
+    pipe = WanImageToVideoPipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        vae=vae,
+        text_encoder=UMT5EncoderModel(_t5_config(32, umt5=True)),
+        tokenizer=t5_tokenizer(),
+        image_encoder=image_encoder,
+        image_processor=CLIPImageProcessor(crop_size=32, size=32),
+    )
+    pipe.save_pretrained(folder)
+    return folder
+
+
 def build_qwen_image(folder: Path) -> Path:
     from diffusers import QwenImagePipeline
 
@@ -553,6 +595,7 @@ BUILDERS = {
     "qwen_image": build_qwen_image,
     "qwen_image_edit": build_qwen_image_edit,
     "qwen_image_edit_plus": lambda folder: build_qwen_image_edit(folder, plus=True),
+    "wan_i2v": build_wan_i2v,
     "flux2_klein": build_flux2_klein,
     "flux2_dev": build_flux2_dev,
     "z_image": build_z_image,
@@ -569,6 +612,7 @@ TINY_SIZES = {
     "qwen_image": (32, 32, None),
     "qwen_image_edit": (32, 32, None),
     "qwen_image_edit_plus": (32, 32, None),
+    "wan_i2v": (16, 16, 5),
     "flux2_klein": (32, 32, None),
     "flux2_dev": (32, 32, None),
     "z_image": (32, 32, None),

@@ -256,6 +256,7 @@ TINY_REWARDS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "ocr": _ocr,
     "per_frame": _per_frame,
     "temporal_consistency": _temporal,
+    "image_consistency": _temporal,  # the same tiny open_clip folder
     "artifact": _artifact,
     "imagereward": make_imagereward_files,
 }

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from tiny_checkpoints import CONTRACT_PROMPTS, REWARD_FACTORIES
+from tiny_checkpoints import CONTRACT_PROMPTS, REWARD_FACTORIES, contract_metadata
 
 from flowrl.registry import REWARDS
 from flowrl.types import RewardOutput
@@ -35,7 +35,7 @@ def _inputs(reward, n: int = 3) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", REWARDS.names())
-def test_reward_contract(name, tiny_reward_kwargs):
+def test_reward_contract(name, tiny_reward_kwargs, tmp_path):
     cls = REWARDS.get(name)
     assert isinstance(cls.modalities, tuple) and set(cls.modalities) <= {"image", "video"} and cls.modalities
     assert isinstance(cls.differentiable, bool)
@@ -43,7 +43,7 @@ def test_reward_contract(name, tiny_reward_kwargs):
     reward = _build(name, tiny_reward_kwargs)
     images = _inputs(reward)
     prompts = CONTRACT_PROMPTS.get(name, PROMPTS)
-    metadata = [{} for _ in prompts]
+    metadata = contract_metadata(name, len(prompts), tmp_path)
 
     out = reward(images, prompts, metadata)
     assert isinstance(out, RewardOutput)
@@ -84,7 +84,7 @@ DIFFERENTIABLE = [n for n in REWARDS.names() if n in REWARD_FACTORIES and REWARD
 
 
 @pytest.mark.parametrize("name", DIFFERENTIABLE)
-def test_gradient_matches_finite_difference(name, tiny_reward_kwargs):
+def test_gradient_matches_finite_difference(name, tiny_reward_kwargs, tmp_path):
     """Directional derivative from autograd vs a central difference, in float64, through the resize path."""
     reward = REWARDS.build(name, dtype=torch.float64, **tiny_reward_kwargs(name))
     assert reward.differentiable
@@ -92,7 +92,8 @@ def test_gradient_matches_finite_difference(name, tiny_reward_kwargs):
     shape = (2, 3, 40, 36) if "image" in reward.modalities else (2, 4, 3, 40, 36)
     images = (0.25 + 0.5 * torch.rand(shape, generator=generator, dtype=torch.float64)).requires_grad_(True)
     direction = torch.randn(shape, generator=generator, dtype=torch.float64)
-    score = lambda x: reward(x, PROMPTS[:2], [{}, {}]).scores.sum()  # noqa: E731
+    metadata = contract_metadata(name, 2, tmp_path)
+    score = lambda x: reward(x, PROMPTS[:2], metadata).scores.sum()  # noqa: E731
     (grad,) = torch.autograd.grad(score(images), images)
     eps = 1e-3  # scores are float32 by contract; the float64 graph inside keeps the difference accurate
     with torch.no_grad():
@@ -103,12 +104,13 @@ def test_gradient_matches_finite_difference(name, tiny_reward_kwargs):
 
 
 @pytest.mark.parametrize("name", [n for n in REWARDS.names() if n in REWARD_FACTORIES and n not in ("ocr", "remote")])
-def test_reward_runs_in_bfloat16(name, tiny_reward_kwargs):
+def test_reward_runs_in_bfloat16(name, tiny_reward_kwargs, tmp_path):
     """Models in bfloat16 (flowrl score --dtype bfloat16): scores stay float32 [N] and near the float32 ones."""
     kwargs = tiny_reward_kwargs(name)
     images = _inputs(REWARDS.get(name))
     prompts = CONTRACT_PROMPTS.get(name, PROMPTS)
-    full = REWARDS.build(name, dtype=torch.float32, **kwargs)(images, prompts, [{}] * 3).scores
-    half = REWARDS.build(name, dtype=torch.bfloat16, **kwargs)(images, prompts, [{}] * 3).scores
+    metadata = contract_metadata(name, 3, tmp_path)
+    full = REWARDS.build(name, dtype=torch.float32, **kwargs)(images, prompts, metadata).scores
+    half = REWARDS.build(name, dtype=torch.bfloat16, **kwargs)(images, prompts, metadata).scores
     assert half.dtype == torch.float32 and half.shape == (3,)
     torch.testing.assert_close(half, full, atol=0.1 * (1 + float(full.abs().max())), rtol=0)

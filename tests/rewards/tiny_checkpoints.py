@@ -39,3 +39,16 @@ CONTRACT_PROMPTS: dict[str, list[str]] = {
     "toy_artifact": ["two red circles", "one blue square", "three green triangles"],
     "toy_exact": ["two red circles", "one blue square", "three green triangles"],
 }
+
+
+def contract_metadata(name: str, num: int, folder: Path) -> list[dict[str, Any]]:
+    """The metadata of the contract tests' samples: `{}`, or for rewards that read a sample's source image
+    (image_consistency) a source image written to `folder`."""
+    if name != "image_consistency":
+        return [{} for _ in range(num)]
+    import torch
+
+    from flowrl import media
+
+    path = media.save_image(torch.linspace(0, 1, 3 * 24 * 20).view(3, 24, 20), str(folder / "source.png"))
+    return [{"image": path} for _ in range(num)]

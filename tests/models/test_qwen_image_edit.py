@@ -143,9 +143,9 @@ def test_lora_saved_by_flowrl_changes_the_pipeline_output_identically(tiny_pipel
     torch.testing.assert_close(after, with_lora, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", EDIT)
-def test_on_policy_ratio_is_exactly_one_in_fp32(models, family, source):
-    model = models(family)
+@pytest.mark.parametrize("family, dtype", [(f, "float32") for f in EDIT] + [("qwen_image_edit", "bfloat16")])
+def test_on_policy_ratio_is_exactly_one(models, tiny_pipeline, family, dtype, source):
+    model = models(family) if dtype == "float32" else load_flow_model(tiny_pipeline(family), dtype=dtype, max_sequence_length=512)
     r = SAMPLERS.get("sde")(num_steps=3, height=H, width=W, guidance_scale=SCALE, noise_level=0.8, decode=False)(
         model, batch(source, prompts=(PROMPT, "add a moon"), seeds=(1, 2))
     )

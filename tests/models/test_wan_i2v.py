@@ -109,7 +109,9 @@ def test_lora_saved_by_flowrl_changes_the_pipeline_output_identically(tiny_pipel
     torch.testing.assert_close(after, with_lora, rtol=0, atol=1e-4)
 
 
-def test_on_policy_ratio_is_exactly_one_in_fp32(model, source):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_policy_ratio_is_exactly_one(model, tiny_pipeline, dtype, source):
+    model = model if dtype == "float32" else load_flow_model(tiny_pipeline("wan_i2v"), dtype=dtype)
     sampler = SAMPLERS.get("sde")(num_steps=3, height=H, width=W, num_frames=F, guidance_scale=SCALE, noise_level=0.8)
     r = sampler(model, batch(source, prompts=(PROMPT, "the cat jumps"), seeds=(1, 2)))
     assert len(r.transitions) > 0

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flowrl.bench_tree import bench_tree
-from flowrl.race import bench_trainers, plot_trainers
+from flowrl.race import bench_trainers, merge_results, plot_trainers
 
 __all__ = [
     "bench_report",
@@ -25,6 +25,7 @@ __all__ = [
     "bench_rollout",
     "bench_train",
     "bench_trainers",
+    "merge_results",
     "bench_tree",
     "best_times",
     "plot_trainers",

@@ -165,6 +165,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default: 0,1,2)")
     q.add_argument("--eval-every", default=None, help="measure every N training steps (default: num_steps // 10)")
     q.add_argument("--heldout-seeds", default=None, help="seeds per held-out prompt (default: the demo's 16)")
+    q.add_argument("--clock", default="wall", help="wall, or cpu: process CPU time, not inflated by a shared machine")
+    q.add_argument("--merge", nargs="+", default=None, help="race JSONs run apart (e.g. a seed each) -> one race at --json")
     q.add_argument("overrides", nargs="*", help="key.path=value overrides for every recipe, e.g. num_steps=30")
     q = which.add_parser("candidates", help="preview vs full-precision ranking fidelity and cost of every preview backend")
     q.add_argument("--json", required=True, help="output JSON path")
@@ -200,6 +202,10 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     from flowrl import bench
 
+    if args.what == "trainers" and args.merge:
+        bench.merge_results(args.merge, args.json)
+        print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
+        return 0
     if args.what == "trainers":
         bench.bench_trainers(
             recipes=None if args.recipes is None else [name.strip() for name in args.recipes.split(",")],
@@ -208,6 +214,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             overrides=args.overrides,
             out_json=args.json,
             num_seeds=_positive_int("--heldout-seeds", args.heldout_seeds),
+            clock=args.clock,
         )
         print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
         return 0

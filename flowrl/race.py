@@ -15,6 +15,12 @@ The target is GRPO's median final exact accuracy over the seeds; a run reaches i
 above it (steps and that point's training seconds; nothing interpolated). Medians over seeds are taken over the
 seeds that reached the target, and are null when fewer than half of the seeds did. The JSON is rewritten after
 every finished run, so a crash keeps what finished; the plot (exact accuracy vs training seconds) goes beside it.
+
+Two clocks: `wall` (the default) times `train_step()` by the wall clock; `cpu` by the process's CPU time (all its
+threads), which other work on a shared machine does not inflate: with one torch thread (`OMP_NUM_THREADS=1`) it reads
+what the wall clock reads on a quiet machine. Seeds can run in separate processes, one JSON each
+(`--seeds 0 --json s0.json`, ...), and be merged (`merge_results`, `flowrl bench trainers --merge s0.json s1.json
+s2.json --json race.json`): the target and medians are then taken over all of them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).parents[1]  # = Path(flowrl.__file__).parents[1]
 TOY_CONFIGS = REPO / "configs" / "toy"
 BASELINE = "grpo"  # the recipe whose median final accuracy is the target
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # what "training seconds" are read from
 MULTI_REWARD_PREFIX = "multireward_"  # configs/toy/multireward_*.yaml belong to `flowrl bench balancers`
 
 
@@ -84,7 +91,9 @@ def first_reaching(curve: list[list[float]], target: float | None) -> tuple[int 
     return None, None
 
 
-def _run_recipe(recipe: str, seed: int, overrides: list[str], every: int | None, num_seeds: int, eval_steps, progress: bool):
+def _run_recipe(
+    recipe: str, seed: int, overrides: list[str], every: int | None, num_seeds: int, eval_steps, progress: bool, clock: str
+):
     """One recipe x seed: its config's num_steps train steps, measured at 0, every `every` steps and at the end."""
     import torch
 
@@ -115,9 +124,9 @@ def _run_recipe(recipe: str, seed: int, overrides: list[str], every: int | None,
         bar = progress_bar(progress, cfg.num_steps, 0, f"{recipe} seed {seed}")
         try:
             for step in range(1, cfg.num_steps + 1):
-                tic = time.perf_counter()
+                tic = CLOCKS[clock]()
                 metrics = trainer.train_step()
-                seconds += time.perf_counter() - tic
+                seconds += CLOCKS[clock]() - tic
                 show_progress(bar, metrics)
                 if step % every == 0 or step == cfg.num_steps:
                     final = measure(step, seconds)
@@ -198,6 +207,7 @@ def bench_trainers(
     num_seeds: int | None = None,
     eval_num_steps: int | None = None,
     progress: bool = True,
+    clock: str = "wall",
 ) -> dict:
     """Race `recipes` (configs/toy/<name>.yaml stems; default all, grpo first) over `seeds` to GRPO's median final
     exact held-out accuracy. Measured at step 0, every `eval_every_n_steps` (default num_steps // 10, at least 1) and
@@ -209,7 +219,8 @@ def bench_trainers(
     (`steps_to_grpo_final`, `seconds_to_grpo_final`, `seconds_ratio_to_grpo` = a recipe's median seconds over
     GRPO's) are over the seeds that reached the target, and null when fewer than half of the seeds reached it (the
     ratio also when GRPO's median seconds is 0: the base model already at the target). With `out_json`, the JSON is
-    written there after every finished run and the plot beside it (`.png`) at the end.
+    written there after every finished run and the plot beside it (`.png`) at the end. `clock`: `wall` or `cpu`
+    (module docstring).
     """
     import torch
 
@@ -221,6 +232,8 @@ def bench_trainers(
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds {','.join(map(str, seeds)) or '(none)'} must name at least one seed, each once, e.g. 0,1,2")
     num_seeds = SUMMARY_SEEDS if num_seeds is None else num_seeds
+    if clock not in CLOCKS:
+        raise ValueError(f"--clock {clock!r} must be one of {', '.join(CLOCKS)} (cpu: process CPU time, for a shared machine)")
     for flag, value in (("--eval-every", eval_every_n_steps), ("--heldout-seeds", num_seeds), ("eval_num_steps", eval_num_steps)):
         if value is not None and value < 1:
             raise ValueError(f"{flag}={value} must be >= 1")
@@ -232,6 +245,7 @@ def bench_trainers(
         "heldout_seeds": num_seeds,
         "eval_num_steps": eval_num_steps,
         "eval_every_n_steps": eval_every_n_steps,
+        "clock": clock,
     }
     host = {
         "cpu_count": os.cpu_count(),
@@ -247,7 +261,7 @@ def bench_trainers(
     runs: dict[str, dict[int, dict]] = {}
     for name in order:
         for seed in seeds:
-            run = _run_recipe(name, seed, overrides, eval_every_n_steps, num_seeds, eval_num_steps, progress)
+            run = _run_recipe(name, seed, overrides, eval_every_n_steps, num_seeds, eval_num_steps, progress, clock)
             runs.setdefault(name, {})[seed] = run
             result = race_result(runs, overrides, settings, host)
             if out_json is not None:
@@ -267,11 +281,54 @@ def bench_trainers(
                     f"steps {entry['steps_to_target']}, seconds {entry['seconds_to_target']}",
                     flush=True,
                 )
-    for name in order:
+    _print_medians(result)
+    if out_json is not None:
+        plot_trainers(result, out_json.with_suffix(".png"))
+    return result
+
+
+def _print_medians(result: dict) -> None:
+    for name in result["recipes"]:
         steps, seconds = result["steps_to_grpo_final"][name], result["seconds_to_grpo_final"][name]
         ratio = result["seconds_ratio_to_grpo"][name]
         print(f"{name}: median steps {_cell(steps)}, seconds {_cell(seconds, '{:.1f}')}, x grpo {_cell(ratio)}", flush=True)
+
+
+def merge_results(paths: list[str | Path], out_json: str | Path | None = None) -> dict:
+    """One race from the JSONs of races run apart (e.g. one process per seed): their runs pooled, the target and the
+    medians recomputed over all of them. They must agree on everything but the seeds (overrides, held-out seeds,
+    evaluation steps and interval, clock) and not repeat a (recipe, seed) run; GRPO's order comes first."""
+    if len(paths) < 2:
+        raise ValueError(f"--merge names {len(paths)} file(s); name at least two race JSONs, e.g. --merge s0.json s1.json")
+    runs: dict[str, dict[int, dict]] = {}
+    first = None
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        same = {k: v for k, v in part["settings"].items() if k != "seeds"}, part["overrides"]
+        if first is None:
+            first, host = same, part["host"]
+        elif same != first:
+            raise ValueError(f"{path}: its settings or overrides {same} differ from {paths[0]}'s {first}; merge like races only")
+        for name, entry in part["recipes"].items():
+            for k, seed in enumerate(entry["seeds"]):
+                if seed in runs.get(name, {}):
+                    raise ValueError(f"{path}: {name} seed {seed} is in two of the files; merge each run once")
+                runs.setdefault(name, {})[seed] = {
+                    "curve": entry["curves"][k],
+                    "final_judge_accuracy": entry["final_judge_accuracy"][k],
+                    "final_artifact": entry["final_artifact"][k],
+                    "base_artifact": entry["base_artifact"],
+                    "train_seconds": entry["train_seconds"][k],
+                }
+    if BASELINE not in runs:
+        raise ValueError(f"none of {', '.join(map(str, paths))} has {BASELINE} runs: the target is GRPO's median final accuracy")
+    runs = {name: dict(sorted(runs[name].items())) for name in [BASELINE] + [n for n in runs if n != BASELINE]}
+    settings = {**first[0], "seeds": sorted(runs[BASELINE])}
+    result = race_result(runs, first[1], settings, host)
+    _print_medians(result)
     if out_json is not None:
+        out_json = Path(out_json)
+        _write_json(result, out_json)
         plot_trainers(result, out_json.with_suffix(".png"))
     return result
 

@@ -142,3 +142,58 @@ def test_race_result_target_medians_and_ratio_from_fabricated_runs():
     assert result["seconds_ratio_to_grpo"] == {"grpo": 1.0, "nft": None}
     assert result["recipes"]["nft"]["base_artifact"] == 0.4 and result["overrides"] == ["num_steps=10"]
     assert result["recipes"]["nft"]["artifact_at_target"] == [0.85, None, None]
+
+
+def test_merged_per_seed_races_equal_the_race_of_all_seeds(tmp_path):
+    def run(*points):  # points: (step, seconds, exact)
+        curve = [[s, t, a, a, 0.9] for s, t, a in points]
+        return {
+            "curve": curve,
+            "final_judge_accuracy": 0.1,
+            "final_artifact": 0.8,
+            "base_artifact": 0.9,
+            "train_seconds": curve[-1][1],
+        }
+
+    runs = {
+        "grpo": {
+            0: run((0, 0.0, 0.1), (10, 2.0, 0.5)),
+            1: run((0, 0.0, 0.1), (10, 4.0, 0.3)),
+            2: run((0, 0.0, 0.1), (10, 6.0, 0.6)),
+        },
+        "ram": {0: run((0, 0.0, 0.1), (2, 1.0, 0.5)), 1: run((0, 0.0, 0.1), (2, 1.0, 0.6)), 2: run((0, 0.0, 0.1), (2, 0.5, 0.2))},
+    }
+    settings = {"heldout_seeds": 16, "eval_num_steps": None, "eval_every_n_steps": 2, "clock": "cpu"}
+    paths = []
+    for seed in (2, 0, 1):  # any order of files
+        part = race_result({n: {seed: by_seed[seed]} for n, by_seed in runs.items()}, ["x=1"], {**settings, "seeds": [seed]}, {})
+        paths.append(tmp_path / f"s{seed}.json")
+        paths[-1].write_text(json.dumps(part))
+    merged = race.merge_results(paths, tmp_path / "race.json")
+    expected = race_result(runs, ["x=1"], {**settings, "seeds": [0, 1, 2]}, {})
+    assert merged == expected == json.loads((tmp_path / "race.json").read_text())
+    assert merged["target_accuracy"] == 0.5 and merged["steps_to_grpo_final"] == {"grpo": 10, "ram": 2}
+    assert (tmp_path / "race.png").read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(ValueError, match="grpo seed 0 is in two"):
+        race.merge_results([paths[1], paths[1]])
+    other = json.loads(paths[0].read_text())
+    other["settings"]["clock"] = "wall"
+    (tmp_path / "wall.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="merge like races only"):
+        race.merge_results([paths[1], tmp_path / "wall.json"])
+
+
+def test_cpu_clock_is_recorded_and_a_bad_clock_is_one_line(tmp_path):
+    result = bench.bench_trainers(
+        recipes=["grpo"],
+        seeds=[0],
+        eval_every_n_steps=1,
+        overrides=[*TINY, "num_steps=1"],
+        num_seeds=1,
+        eval_num_steps=2,
+        clock="cpu",
+        progress=False,
+    )
+    assert result["settings"]["clock"] == "cpu" and result["recipes"]["grpo"]["train_seconds"][0] > 0
+    with pytest.raises(ValueError, match="--clock 'gpu' must be one of wall, cpu"):
+        bench.bench_trainers(recipes=["grpo"], seeds=[0], clock="gpu")

@@ -49,8 +49,9 @@ def toy_recipes() -> list[str]:
     return sorted(stems, key=lambda name: name != BASELINE)
 
 
-def recipe_order(recipes: list[str] | None) -> list[str]:
-    """The recipes to race, grpo first; an unknown name, a repeat or a list without grpo is a one-line error."""
+def recipe_order(recipes: list[str] | None, part: bool = False) -> list[str]:
+    """The recipes to race, grpo first; an unknown name, a repeat or a list without grpo (unless `part`: a race to be
+    merged with one that has it) is a one-line error."""
     available = toy_recipes()
     if recipes is None:
         recipes = available
@@ -65,12 +66,12 @@ def recipe_order(recipes: list[str] | None) -> list[str]:
             )
         if recipes.count(name) > 1:
             raise ValueError(f"--recipes names {name!r} twice; name each recipe once")
-    if BASELINE not in recipes:
+    if BASELINE not in recipes and not part:
         raise ValueError(
             f"--recipes {','.join(recipes)} lacks {BASELINE}: the target is GRPO's median final accuracy; "
-            f"add it, e.g. --recipes {BASELINE},{recipes[0]}"
+            f"add it, e.g. --recipes {BASELINE},{recipes[0]} (or --part, to --merge with a race that has it)"
         )
-    return [BASELINE] + [name for name in recipes if name != BASELINE]
+    return [BASELINE] * (BASELINE in recipes) + [name for name in recipes if name != BASELINE]
 
 
 def median_if_most(values: list) -> float | None:
@@ -208,6 +209,7 @@ def bench_trainers(
     eval_num_steps: int | None = None,
     progress: bool = True,
     clock: str = "wall",
+    part: bool = False,
 ) -> dict:
     """Race `recipes` (configs/toy/<name>.yaml stems; default all, grpo first) over `seeds` to GRPO's median final
     exact held-out accuracy. Measured at step 0, every `eval_every_n_steps` (default num_steps // 10, at least 1) and
@@ -220,14 +222,14 @@ def bench_trainers(
     GRPO's) are over the seeds that reached the target, and null when fewer than half of the seeds reached it (the
     ratio also when GRPO's median seconds is 0: the base model already at the target). With `out_json`, the JSON is
     written there after every finished run and the plot beside it (`.png`) at the end. `clock`: `wall` or `cpu`
-    (module docstring).
+    (module docstring). `part`: the recipes may leave GRPO out, to be merged (`merge_results`) with a race that has it.
     """
     import torch
 
     from flowrl.demo import SUMMARY_SEEDS
     from flowrl.trainers import load_config
 
-    order = recipe_order(recipes)
+    order = recipe_order(recipes, part)
     seeds, overrides = list(seeds), list(overrides or [])
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds {','.join(map(str, seeds)) or '(none)'} must name at least one seed, each once, e.g. 0,1,2")

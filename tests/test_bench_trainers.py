@@ -111,6 +111,8 @@ def test_recipes_default_to_every_toy_config_grpo_first_and_need_grpo(tmp_path, 
     assert race.recipe_order(["zeta", "grpo"]) == ["grpo", "zeta"]  # grpo runs first: it sets the target
     with pytest.raises(ValueError, match="--recipes nft lacks grpo: .* --recipes grpo,nft"):
         race.recipe_order(["nft"])
+    assert race.recipe_order(["nft", "zeta"], part=True) == ["nft", "zeta"]  # a part of a race, merged later
+    assert race.recipe_order(["nft", "grpo"], part=True) == ["grpo", "nft"]
     with pytest.raises(ValueError, match="--recipes is empty"):
         race.recipe_order([])
 

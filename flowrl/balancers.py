@@ -13,12 +13,16 @@ reward applies to gets advantage 0. Each balancer is a dataclass whose fields ar
     tail          TailRL: the gradient of E_τ[log P(R > τ)] on the weighted sum (docs/math.md#tailrl)
 
 `gdpo`, `gd2po` and `sa_mrpo` take `per_reward_estimator: tail` to use TailRL's advantage per reward in place
-of the group z-score.
+of the group z-score. Each balancer's `needs()` names what it asks of the trainer beyond one advantage per sample
+(docs/recipes/compose.md): `sample_mask` (drop the samples `keep` masks), `reward_gradients` (each reward's loss
+backpropagated on its own), `per_sample_advantages` (a sample's advantage trains its whole rollout, not fused per
+tree edge), `affine_loss` (a loss whose gradient is affine in the advantage).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -109,6 +113,9 @@ class WeightedSumBalancer:
             _fail("weighted_sum", "std", self.std, "must be 'global' (whole-batch std), 'group' (per-prompt std) or 'none'")
         _check_common(self, "weighted_sum")
 
+    def needs(self) -> frozenset[str]:
+        return frozenset()
+
     def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:
         total = _weighted_total(scores, weights)
         advantages = group_advantages(
@@ -151,6 +158,9 @@ class _Decoupled:
     """Final advantages are clipped to [−clip, clip]."""
     per_reward_estimator: str = "zscore"
     """Per-reward advantage: 'zscore' (the group z-score of each reward) or 'tail' (TailRL's per reward)."""
+
+    def needs(self) -> frozenset[str]:
+        return frozenset()
 
     def _decouple(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: list[float]):
         """(stacked [K, M], per-reward advantages [K, M], Σ_k w_k A_k [M], no_signal [M], any_finite [M])."""
@@ -214,6 +224,9 @@ class GD2POBalancer(_Decoupled):
         for key in ("sign_eps", "snr_eps"):
             if not getattr(self, key) >= 0:
                 _fail("gd2po", key, getattr(self, key), "must be >= 0 (e.g. 1e-8)")
+
+    def needs(self) -> frozenset[str]:
+        return frozenset({"sample_mask"})  # conflicting rollouts are masked out of the loss
 
     def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:
         w = [float(weights.get(name, 1.0)) for name in scores]
@@ -308,6 +321,9 @@ class TailBalancer:
     def __post_init__(self):
         _check_common(self, "tail")
 
+    def needs(self) -> frozenset[str]:
+        return frozenset()
+
     def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:
         total = _weighted_total(scores, weights)
         advantages = tail_advantages(total, group_ids).clamp(-self.clip, self.clip)
@@ -323,6 +339,8 @@ class MarbleBalancer:
     """MARBLE (arXiv 2605.06507): one advantage row per reward, A_k = z-score of r_k per prompt group; the trainer
     balances the K per-reward gradients (flowrl/marble.py), so `advantages` here is only Σ_k ᾱ_k A_k with the α the
     trainer holds (uniform until it learns one). Weights do not act: each gradient is normalized before the QP."""
+
+    recipe_variants: ClassVar[dict[str, dict]] = {"full": {"form": "full"}, "amortized": {"form": "amortized"}}
 
     form: str = "amortized"
     """'full': K backward passes per optimizer step, α from the min-norm QP every step; 'amortized' (NFT only): α
@@ -349,6 +367,12 @@ class MarbleBalancer:
         if not 0 <= self.alpha_ema < 1:
             _fail("marble", "alpha_ema", self.alpha_ema, "must be in [0, 1) (0.7 in the paper)")
         self.alpha: torch.Tensor | None = None  # ᾱ [K], set by the trainer's gradient balancing
+
+    def needs(self) -> frozenset[str]:
+        """The trainer balances the per-reward gradients of per-sample advantages; the amortized form's one backward
+        on Σ ᾱ_k A_k stands for Σ ᾱ_k ∇ℓ(A_k) only where the loss's gradient is affine in the advantage."""
+        base = {"reward_gradients", "per_sample_advantages"}
+        return frozenset(base | ({"affine_loss"} if self.form == "amortized" else set()))
 
     def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:
         stacked = _stack(scores)

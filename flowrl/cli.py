@@ -1,4 +1,4 @@
-"""The `flowrl` command: sample, train, eval, report, demo, bench, rewards list, score, serve-reward.
+"""The `flowrl` command: sample, train, eval, report, demo, bench, rewards list, score, serve-reward, recipes.
 
 Each subcommand has a `_add_<name>(subparsers)` that declares its arguments and a `_run_<name>(args)` that
 does the work; heavy imports happen inside `_run_*` so that `flowrl --help` stays fast.
@@ -583,6 +583,17 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_recipes(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("recipes", help="which sampler x trainer x balancer combination runs, and why not where not")
+    p.add_argument("--json", action="store_true", help='print [{"sampler", "trainer", "balancer", "works", "why"}] instead')
+
+
+def _run_recipes(args: argparse.Namespace) -> int:
+    from flowrl.recipes import print_matrix
+
+    return print_matrix(args.json)
+
+
 COMMANDS = {
     "sample": (_add_sample, _run_sample),
     "bench": (_add_bench, _run_bench),
@@ -593,6 +604,7 @@ COMMANDS = {
     "serve-reward": (_add_serve_reward, _run_serve_reward),
     "eval": (_add_eval, _run_eval),
     "report": (_add_report, _run_report),
+    "recipes": (_add_recipes, _run_recipes),
 }
 
 

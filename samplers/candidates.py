@@ -114,6 +114,11 @@ class CandidatesSampler:
     """Two-stage rollouts: a cheap preview of a seed pool per prompt, the selected seeds regenerated exactly."""
 
     whole_groups: ClassVar[bool] = True  # a group's pool and its selection live on one process
+    recipe_variants: ClassVar[dict[str, dict]] = {  # the rows `flowrl recipes` lists: one per stage-2 sampler
+        "full=ode": {"full": {"name": "ode"}},
+        "full=sde": {"full": {"name": "sde"}},
+        "full=tree": {"full": {"name": "tree"}},
+    }
 
     pool_size: int = 8
     """P seeds explored per prompt (Sol-RL: 96); the group size G of the data config is how many are kept."""
@@ -161,8 +166,8 @@ class CandidatesSampler:
         name = spec.pop("name", None)
         if name is None or name in ("candidates", "tree"):
             raise ValueError(
-                f"sampler.full.name={name!r}: name the stage-2 sampler (ode for NFT, sde for GRPO); candidates and tree "
-                "cannot regenerate independent seeds"
+                f"sampler.full.name={name!r}: name the stage-2 sampler (ode for NFT, sde for GRPO); a tree grows a whole group "
+                "from one root and candidates would recurse, so neither can regenerate the selected seeds one by one"
             )
         for key in SHARED:
             if key in spec:
@@ -170,6 +175,11 @@ class CandidatesSampler:
         if spec.get("same_latent"):
             raise ValueError("sampler.full.same_latent=true: regenerated seeds need their own initial noise; drop it")
         self.full_sampler = SAMPLERS.get(name)(**spec, **{k: getattr(self, k) for k in SHARED})
+
+    def carries(self) -> frozenset[str]:
+        """What its rollouts hold for a trainer (docs/recipes/compose.md): the stage-2 sampler's, except `memoryless`:
+        the selected seeds are not the SDE's own draws of the initial noise, so the rollouts do not follow its law."""
+        return self.full_sampler.carries() - {"memoryless"}
 
     @property
     def naive(self) -> bool:

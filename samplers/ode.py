@@ -40,6 +40,10 @@ class ODESampler:
         if self.scheduler not in ("euler", "pipeline"):
             raise ValueError(f"scheduler={self.scheduler!r} must be 'euler' or 'pipeline'")
 
+    def carries(self) -> frozenset[str]:
+        """What its rollouts hold for a trainer (docs/recipes/compose.md): clean endpoints, no behaviour log-probs."""
+        return frozenset({"clean_endpoints"})
+
     @torch.no_grad()
     def __call__(
         self,

@@ -11,12 +11,14 @@ same seed, so a trajectory does not depend on which other samples share the batc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from flowrl import sde
 from flowrl.models.conditioning import encode_prompts
 from flowrl.registry import SAMPLERS
+from flowrl.sde_memoryless import MEMORYLESS_NOISE_LEVEL
 from flowrl.seeds import NOISE_STREAM, sample_generators, window_start
 from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
 
@@ -107,6 +109,17 @@ def integrate(
 class SDESampler:
     """Stochastic rollouts that record every latent and the behaviour log-prob of every transition."""
 
+    recipe_variants: ClassVar[dict[str, dict]] = {  # the rows `flowrl recipes` lists for this sampler
+        "": {},
+        "memoryless": {  # adjoint matching's rollout: flow_grpo steps with a = √2 on a uniform grid short of σ = 1
+            "kind": "flow_grpo",
+            "noise_level": MEMORYLESS_NOISE_LEVEL,
+            "sigma_schedule": "dance",
+            "sigma_shift": 1.0,
+            "sigma_max": 0.975,
+        },
+    }
+
     num_steps: int = 10
     """Denoising steps T of a rollout (Flow-GRPO trains SD3.5 with 10, FLUX with 6)."""
     height: int | None = None
@@ -163,6 +176,16 @@ class SDESampler:
                 f"sde_window_size={self.sde_window_size} does not fit sde_window_range=({r0}, {r1}) of {self.num_steps} "
                 "steps; need 0 <= r0 and r0 + size <= r1 <= num_steps"
             )
+
+    def carries(self) -> frozenset[str]:
+        """What its rollouts hold for a trainer (docs/recipes/compose.md): clean endpoints; behaviour log-probs where
+        some transition is stochastic; `memoryless` for the memoryless SDE (flow_grpo kind, a = √2, every transition
+        stochastic) on a grid that stops short of σ = 1."""
+        out = {"clean_endpoints"} | ({"log_probs"} if self.noise_level > 0 else set())
+        memoryless = self.kind == "flow_grpo" and abs(self.noise_level - MEMORYLESS_NOISE_LEVEL) < 1e-6
+        if memoryless and not self.sde_window_size and self.sigma_max < 1.0:
+            out.add("memoryless")
+        return frozenset(out)
 
     def window_range(self) -> tuple[int, int]:
         if self.sde_window_range is None:

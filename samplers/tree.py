@@ -125,6 +125,13 @@ class TreeSampler:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
 
+    def carries(self) -> frozenset[str]:
+        """What its rollouts hold for a trainer (docs/recipes/compose.md): the leaves' clean endpoints, behaviour
+        log-probs where some step is stochastic, and `per_edge`: a tree's edges are shared by the leaves below them,
+        so a policy-gradient trainer credits each edge from its leaves (one advantage per edge, not per sample)."""
+        stochastic = any(level > 0 for level in self.step_noise_levels())
+        return frozenset({"clean_endpoints", "per_edge"} | ({"log_probs"} if stochastic else set()))
+
     # -- the shape of a tree (the same for every tree) --------------------------------------------------------
     @property
     def num_leaves(self) -> int:

@@ -36,10 +36,11 @@ from flowrl.losses import adjoint_matching_loss
 from flowrl.models import build_policy
 from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
-from flowrl.registry import SAMPLERS
+from flowrl.recipes import rollout_carries
+from flowrl.registry import REWARDS, SAMPLERS
 from flowrl.runs import RunFolder, step_metrics, train_loop
 from flowrl.scoring import build_rewards
-from flowrl.sde_memoryless import MEMORYLESS_NOISE_LEVEL, adjoint_residual, lean_adjoint
+from flowrl.sde_memoryless import adjoint_residual, lean_adjoint
 from flowrl.seeds import step_generator
 from flowrl.types import Rollout, select_cond
 
@@ -75,8 +76,34 @@ def loss_times(sigmas: torch.Tensor, below: float, num_random: int, generator: t
     return sorted(late + [early[i] for i in picked])
 
 
+def not_differentiable(names: list[str]) -> str:
+    usable = sorted(n for n in REWARDS.names() if getattr(REWARDS.get(n), "differentiable", False))
+    return (
+        f"trainer: adjoint_matching needs differentiable rewards; {', '.join(names)} is not: use one of "
+        f"{', '.join(usable)} (or trainer: ram, which needs no reward gradient)"
+    )
+
+
 class AdjointMatchingTrainer:
     config_class = AdjointMatchingConfig
+
+    @classmethod
+    def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
+        """None where sampler `sampler` feeds this recipe through balancer `balancer` (ComponentConfig each) and
+        `rewards` (RewardConfig entries; () = not checked), else the one-line reason and fix; the constructor raises
+        the same (docs/recipes/compose.md). The guidance scale needs the model's family and is checked once it loads."""
+        if "memoryless" not in rollout_carries(sampler):
+            return (
+                f"trainer: adjoint_matching needs the memoryless SDE on a grid that stops short of σ = 1, which sampler "
+                f"{sampler.name} with these settings is not; use {MEMORYLESS_SAMPLER}"
+            )
+        if balancer.name != "weighted_sum":
+            return (
+                f"trainer: adjoint_matching regresses on the gradient of Σ_k w_k r_k and takes no advantages, so balancer "
+                f"{balancer.name} would not act: use balancer weighted_sum (the reward weights are the combination)"
+            )
+        flat = [r.name for r in rewards if not getattr(REWARDS.get(r.name), "differentiable", False)]
+        return not_differentiable(flat) if flat else None
 
     def __init__(self, cfg: RunConfig, accelerator=None):
         from accelerate.utils import set_seed
@@ -87,33 +114,17 @@ class AdjointMatchingTrainer:
                 f"train.reward_multiplier={t.reward_multiplier} must be > 0, train.loss_clip_factor="
                 f"{t.loss_clip_factor} and train.num_random_loss_times={t.num_random_loss_times} >= 0"
             )
-        s = cfg.sampler
-        kw = s.kwargs
-        memoryless = (
-            s.name == "sde"
-            and kw.get("kind", "flow_grpo") == "flow_grpo"
-            and abs(float(kw.get("noise_level", 0.7)) - MEMORYLESS_NOISE_LEVEL) < 1e-6
-            and not kw.get("sde_window_size", 0)
-        )
-        if not memoryless or float(kw.get("sigma_max", 1.0)) >= 1.0:
-            raise ValueError(
-                f"trainer: adjoint_matching needs the memoryless SDE on a grid that stops short of σ = 1; got sampler "
-                f"{s.name} {kw}; use {MEMORYLESS_SAMPLER}"
-            )
+        why = self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards)
+        if why:
+            raise ValueError(why)
         self.accelerator = acc = accelerator or make_accelerator(cfg)
         self.rewards = build_rewards(cfg.rewards, acc.device)
         flat = [name for name, r in self.rewards.items() if not getattr(r, "differentiable", False)]
-        if flat:
-            from flowrl.registry import REWARDS
-
-            usable = sorted(n for n in REWARDS.names() if getattr(REWARDS.get(n), "differentiable", False))
-            raise ValueError(
-                f"trainer: adjoint_matching needs differentiable rewards; {', '.join(flat)} is not: use one of "
-                f"{', '.join(usable)} (or trainer: ram, which needs no reward gradient)"
-            )
+        if flat:  # a reward whose instance is not differentiable (a backend choice, e.g. artifact's vlm)
+            raise ValueError(not_differentiable(flat))
         self.weights = {r.name: r.weight for r in cfg.rewards}
         self.run = RunFolder(cfg.output_dir, cfg.name)
-        self.sampler = SAMPLERS.get(s.name)(**kw)
+        self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
         self.prompt_sampler, self.local_n = step_batches(cfg, self.sampler, acc.num_processes)
         set_seed(cfg.seed)
         self.model = build_policy(cfg.model, acc.device)

@@ -40,6 +40,7 @@ from flowrl.marble import RewardGradients
 from flowrl.models import build_policy
 from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
+from flowrl.recipes import balancer_needs, rollout_carries
 from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.runs import RunFolder, step_metrics, train_loop
 from flowrl.samplers.candidates import candidate_metrics
@@ -184,6 +185,28 @@ def same_on_every_process(acc, lengths: list[int]) -> bool:
 class GRPOTrainer:
     config_class = GRPOConfig
 
+    @classmethod
+    def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
+        """None where sampler `sampler` feeds this recipe through balancer `balancer` (ComponentConfig each), else
+        the one-line reason and fix; the constructor raises the same (docs/recipes/compose.md)."""
+        carries, needs = rollout_carries(sampler), balancer_needs(balancer)
+        if "log_probs" not in carries:
+            return (
+                f"trainer: grpo needs behaviour log-probs, which the rollouts of sampler {sampler.name} lack (deterministic "
+                "transitions): use sampler sde or tree with noise_level > 0, or candidates with full: {name: sde}"
+            )
+        if "affine_loss" in needs:
+            return (
+                f"balancer {balancer.name}: form='amortized' needs a loss affine in the advantage (trainer nft); GRPO's "
+                "clipped ratio loss is not affine in the advantage, so Σ α_k ∇ℓ(A_k) ≠ ∇ℓ(Σ α_k A_k): set balancer.form=full"
+            )
+        if "per_sample_advantages" in needs and "per_edge" in carries:
+            return (
+                f"balancer {balancer.name} trains per-sample advantages; the {sampler.name} sampler's are per edge: use "
+                "sampler sde"
+            )
+        return None
+
     def __init__(self, cfg: RunConfig, accelerator=None):
         from accelerate.utils import set_seed
 
@@ -192,6 +215,9 @@ class GRPOTrainer:
             raise ValueError(f"train.kl_form={t.kl_form!r} must be one of {', '.join(sde.KL_FORMS)}")
         if t.kl_coef > 0 and not cfg.model.use_lora:
             raise ValueError("train.kl_coef > 0 needs model.use_lora=true (the reference is the adapter switched off)")
+        why = self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards)
+        if why:
+            raise ValueError(why)
         self.accelerator = acc = accelerator or make_accelerator(cfg)
         self.run = RunFolder(cfg.output_dir, cfg.name)
         self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
@@ -217,8 +243,6 @@ class GRPOTrainer:
         self.scorer = Scorer(self.rewards, cfg.on_reward_error, t.use_async_rewards)
         self.balancer = BALANCERS.get(cfg.balancer.name)(**cfg.balancer.kwargs)
         marble = self.balancer if cfg.balancer.name == "marble" else None
-        if marble is not None and cfg.sampler.name == "tree":
-            raise ValueError("balancer marble trains per-sample advantages; the tree sampler's are per edge: use sampler sde")
         # MARBLE's full form only: the clipped ratio loss is not affine in the advantage (RewardGradients says so)
         self.reward_grads = RewardGradients(marble, self.opt, acc, list(self.rewards), False, None, False)
         self.evaluation = TrainingEvaluation(cfg, acc, self.run, self.model, self.rewards, self.opt, self.ema)

@@ -40,6 +40,7 @@ from flowrl.marble import RewardGradients
 from flowrl.models import build_policy
 from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
+from flowrl.recipes import balancer_needs, rollout_carries
 from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.runs import RunFolder, step_metrics, train_loop
 from flowrl.samplers.candidates import candidate_metrics
@@ -107,6 +108,17 @@ def training_times(generators: list[torch.Generator], grid: torch.Tensor, fracti
 class NFTTrainer:
     config_class = NFTConfig
 
+    @classmethod
+    def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
+        """None where sampler `sampler` feeds this recipe through balancer `balancer` (ComponentConfig each), else
+        the one-line reason and fix; the constructor raises the same (docs/recipes/compose.md)."""
+        t = train if train is not None else cls.config_class()
+        if "clean_endpoints" not in rollout_carries(sampler):
+            return f"trainer: nft trains on clean endpoints, which the rollouts of sampler {sampler.name} lack: use sampler ode"
+        if "affine_loss" in balancer_needs(balancer) and t.adv_mode != "all":
+            return f"balancer {balancer.name} form=amortized needs train.adv_mode='all' (r affine in A), not {t.adv_mode!r}"
+        return None
+
     def __init__(self, cfg: RunConfig, accelerator=None):
         from accelerate.utils import set_seed
 
@@ -118,6 +130,9 @@ class NFTTrainer:
             raise ValueError(f"train.nft_beta={t.nft_beta} and train.adv_clip_max={t.adv_clip_max} must be > 0")
         if not cfg.model.use_lora:
             raise ValueError("trainer: nft needs model.use_lora=true (the sampling policy and the reference are adapters)")
+        why = self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards)
+        if why:
+            raise ValueError(why)
         self.accelerator = acc = accelerator or make_accelerator(cfg)
         self.run = RunFolder(cfg.output_dir, cfg.name)
         self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
@@ -140,8 +155,6 @@ class NFTTrainer:
         self.scorer = Scorer(self.rewards, cfg.on_reward_error, t.use_async_rewards)
         self.balancer = BALANCERS.get(cfg.balancer.name)(**cfg.balancer.kwargs)
         marble = self.balancer if cfg.balancer.name == "marble" else None
-        if marble is not None and marble.form == "amortized" and t.adv_mode != "all":
-            raise ValueError(f"balancer marble form=amortized needs train.adv_mode='all' (r affine in A), not {t.adv_mode!r}")
         args = (marble, self.opt, acc, list(self.rewards), True, t.adv_clip_max, t.log_reward_gradients)
         self.reward_grads = RewardGradients(*args)  # per-reward gradients: MARBLE's balancing, or the probe
         self.evaluation = TrainingEvaluation(cfg, acc, self.run, self.model, self.rewards, self.opt, self.ema)

@@ -41,6 +41,7 @@ from flowrl.losses import ram_loss, ram_target
 from flowrl.models import build_policy
 from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
+from flowrl.recipes import balancer_needs, rollout_carries
 from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.runs import RunFolder, step_metrics, train_loop
 from flowrl.samplers.candidates import candidate_metrics
@@ -97,6 +98,22 @@ def training_draws(generators: list[torch.Generator], shape: tuple[int, ...], k:
 class RAMTrainer:
     config_class = RAMConfig
 
+    @classmethod
+    def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
+        """None where sampler `sampler` feeds this recipe through balancer `balancer` (ComponentConfig each), else
+        the one-line reason and fix; the constructor raises the same (docs/recipes/compose.md). Any rollout with
+        clean endpoints feeds RAM's regression: a tree's leaves and candidate pools' regenerated samples too."""
+        if "clean_endpoints" not in rollout_carries(sampler):
+            return (
+                f"trainer: ram regresses on clean endpoints, which the rollouts of sampler {sampler.name} lack: use sampler ode"
+            )
+        if "reward_gradients" in balancer_needs(balancer):
+            return (
+                f"balancer {balancer.name} balances per-reward gradients, which trainer ram does not take (one backward on "
+                "one advantage per sample): use trainer nft or grpo with it, or balancer gdpo with ram"
+            )
+        return None
+
     def __init__(self, cfg: RunConfig, accelerator=None):
         from accelerate.utils import set_seed
 
@@ -109,6 +126,9 @@ class RAMTrainer:
             raise ValueError(f"train.old_decay={t.old_decay} must be in [0, 1) and train.old_decay_ramp={t.old_decay_ramp} >= 0")
         if not cfg.model.use_lora:
             raise ValueError("trainer: ram needs model.use_lora=true (the old policy and the reference are adapters)")
+        why = self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards)
+        if why:
+            raise ValueError(why)
         self.accelerator = acc = accelerator or make_accelerator(cfg)
         self.run = RunFolder(cfg.output_dir, cfg.name)
         self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)

@@ -1,0 +1,124 @@
+"""The composition matrix: every registered sampler x trainer x balancer, and whether it runs (docs/recipes/compose.md).
+
+    flowrl recipes            # the table: which combination works, and why not where not
+    flowrl recipes --json     # [{"sampler": ..., "trainer": ..., "balancer": ..., "works": ..., "why": ...}]
+
+Nothing here decides. A sampler states what its rollouts carry (`carries()`), a balancer what it asks of the
+trainer (`needs()`), and each trainer class judges a (sampler, balancer) pair in its `composition_error`
+classmethod, the very check its constructor and `build_trainer` raise, before any model is built. This module
+only enumerates the registries, with the sub-variants a component lists in its `recipe_variants` (a new sampler,
+trainer or balancer joins the matrix by being registered), and asks each trainer.
+"""
+
+from __future__ import annotations
+
+import json
+
+from flowrl.config import ComponentConfig
+from flowrl.registry import BALANCERS, SAMPLERS, Registry
+
+CARRIES = {  # what a sampler's rollouts may hold (Sampler.carries())
+    "clean_endpoints": "the clean endpoint x0 of every sample",
+    "log_probs": "behaviour log-probs of stochastic transitions (a policy-gradient ratio can be taken)",
+    "per_edge": "transitions shared by several samples (a tree's edges): credit is per edge, not per sample",
+    "memoryless": "the memoryless SDE of the current model on a grid short of σ = 1 (adjoint matching's law)",
+}
+NEEDS = {  # what a balancer may ask of the trainer (Balancer.needs()), beyond one advantage per sample
+    "sample_mask": "the samples the balancer's `keep` masks take no part in the loss",
+    "reward_gradients": "each reward's loss is backpropagated on its own (MARBLE balances the K gradients)",
+    "per_sample_advantages": "a sample's advantage trains its whole rollout (not fused up a tree's edges)",
+    "affine_loss": "the loss's gradient is affine in the advantage, so one backward on Σ α_k A_k = Σ α_k ∇ℓ(A_k)",
+}
+
+
+def _declared(kind: str, spec: ComponentConfig, component, method: str, vocabulary: dict) -> frozenset[str]:
+    if not callable(getattr(component, method, None)):
+        raise ValueError(
+            f"{kind} {spec.name!r} declares no {method}(): add one returning a subset of {', '.join(vocabulary)} "
+            "(docs/recipes/compose.md)"
+        )
+    out = frozenset(getattr(component, method)())
+    unknown = sorted(out - set(vocabulary))
+    if unknown:
+        raise ValueError(f"{kind} {spec.name!r}: {method}() names {unknown}; the known ones are {', '.join(vocabulary)}")
+    return out
+
+
+def rollout_carries(spec: ComponentConfig) -> frozenset[str]:
+    """What the rollouts of sampler `spec` (name + kwargs) carry; the sampler's own argument errors raise here."""
+    return _declared("sampler", spec, SAMPLERS.get(spec.name)(**spec.kwargs), "carries", CARRIES)
+
+
+def balancer_needs(spec: ComponentConfig) -> frozenset[str]:
+    """What balancer `spec` (name + kwargs) asks of the trainer; the balancer's own argument errors raise here."""
+    return _declared("balancer", spec, BALANCERS.get(spec.name)(**spec.kwargs), "needs", NEEDS)
+
+
+def variants(registry: Registry) -> list[tuple[str, ComponentConfig]]:
+    """(label, config) of every registered entry: one per `recipe_variants` item ("" = the defaults), labelled
+    `name(variant)`; an entry without `recipe_variants` gives one row with its defaults."""
+    out = []
+    for name in registry.names():
+        for key, kwargs in getattr(registry.get(name), "recipe_variants", {"": {}}).items():
+            out.append((f"{name}({key})" if key else name, ComponentConfig(name, dict(kwargs))))
+    return out
+
+
+def composition_error(trainer: str, sampler: ComponentConfig, balancer: ComponentConfig, train=None, rewards=()) -> str | None:
+    """None where the triple runs, else the one-line reason and fix: the trainer's own check, or the error a
+    sampler or balancer raises for its own arguments (what `build_trainer` raises for the same config)."""
+    from flowrl.trainers import trainer_class
+
+    try:
+        return trainer_class(trainer).composition_error(sampler, balancer, train, rewards)
+    except ValueError as err:
+        return str(err)
+
+
+def matrix() -> list[dict]:
+    """One row per (sampler variant, trainer, balancer variant): {"sampler", "trainer", "balancer", "works", "why"}."""
+    from flowrl.trainers import TRAINERS
+
+    rows = []
+    for sampler_label, sampler in variants(SAMPLERS):
+        for trainer in TRAINERS:
+            for balancer_label, balancer in variants(BALANCERS):
+                why = composition_error(trainer, sampler, balancer)
+                rows.append(
+                    {
+                        "sampler": sampler_label,
+                        "trainer": trainer,
+                        "balancer": balancer_label,
+                        "works": why is None,
+                        "why": why or "",
+                    }
+                )
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """A markdown table, one line per (sampler, trainer), one column per balancer: `yes`, or the number of the
+    reason listed under the table."""
+    balancers = list(dict.fromkeys(r["balancer"] for r in rows))
+    reasons: dict[str, int] = {}
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    for r in rows:
+        if r["works"]:
+            cell = "yes"
+        else:
+            cell = f"no ({reasons.setdefault(r['why'], len(reasons) + 1)})"
+        cells.setdefault((r["sampler"], r["trainer"]), {})[r["balancer"]] = cell
+    lines = ["| sampler | trainer | " + " | ".join(balancers) + " |", "|---|---|" + "---|" * len(balancers)]
+    for (sampler, trainer), row in cells.items():
+        lines.append(f"| {sampler} | {trainer} | " + " | ".join(row.get(b, "") for b in balancers) + " |")
+    works = sum(r["works"] for r in rows)
+    lines += ["", f"{works} of {len(rows)} combinations run; why not, where not:", ""]
+    lines += [f"{n}. {why}" for why, n in reasons.items()]
+    return "\n".join(lines)
+
+
+def print_matrix(as_json: bool = False) -> int:
+    """`flowrl recipes [--json]`: the matrix as the table, or as a JSON list of its rows."""
+    rows = matrix()
+    print(json.dumps(rows, indent=1, ensure_ascii=False) if as_json else format_table(rows))
+    return 0

@@ -162,16 +162,12 @@ def render_grid(
 
 def _source_thumbnails(blocks: list[EvalRecord], prompts: list[str], thumb: int) -> list[Image.Image | None]:
     """Each prompt's source image (scores.json "sources"), from the first block that has one; None where none."""
-    out: list[Image.Image | None] = []
-    for prompt in prompts:
-        found = None
-        for record in blocks:
-            names, listed = record.scores.get("sources") or [], record.scores.get("prompts", [])
-            if prompt in listed and names[listed.index(prompt)] and (record.path / names[listed.index(prompt)]).is_file():
-                found = _open_thumbnail(record.path / names[listed.index(prompt)], thumb)
-                break
-        out.append(found)
-    return out
+    paths: dict[str, Path] = {}
+    for record in reversed(blocks):  # the first block wins
+        for prompt, name in zip(record.scores.get("prompts", []), record.scores.get("sources") or []):
+            if name and (record.path / name).is_file():
+                paths[prompt] = record.path / name
+    return [_open_thumbnail(paths[p], thumb) if p in paths else None for p in prompts]
 
 
 def _wrap(text: str, font: ImageFont.ImageFont, width: int) -> list[str]:

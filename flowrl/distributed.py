@@ -78,6 +78,17 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous()
 
 
+def kept_per_process(acc, kept) -> float:
+    """The mean over processes of a local count of kept samples (1 where none is kept anywhere). Each process divides
+    its summed loss by it and the gradients are averaged over processes, so the result is the mean over every
+    process's kept samples however unevenly a sample mask (gd2po's) falls between them; dividing by the local count
+    instead weights a process's samples by how few of them it kept. A collective: every process must call it."""
+    value = float(kept)
+    if acc.num_processes > 1:
+        value = float(acc.reduce(torch.tensor([value], device=acc.device), reduction="mean"))
+    return value if value > 0 else 1.0
+
+
 def like(value: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """`value` (a whole tensor) laid out as `ref`: sharded the same way when `ref` is a DTensor."""
     value = value.to(device=ref.device, dtype=ref.dtype)

@@ -33,7 +33,7 @@ from flowrl import seeds as seed_formulas
 from flowrl.advantages import FUSIONS, WIDTH_PRUNINGS, tree_edge_advantages
 from flowrl.checkpoint import resume_recipe, save_recipe
 from flowrl.config import RunConfig
-from flowrl.distributed import Sharding, make_accelerator
+from flowrl.distributed import Sharding, kept_per_process, make_accelerator
 from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import clipped_policy_loss
 from flowrl.marble import RewardGradients
@@ -307,7 +307,7 @@ class GRPOTrainer:
                     window = len(stats["loss"])  # this optimizer step's losses start here
                     grads.plan(per_reward[:, order[m * mb : (m + accum) * mb].to(acc.device)])
                 rows = order[m * mb : (m + 1) * mb].tolist()
-                kept = max(int(keep[rows].sum()), 1)
+                kept = kept_per_process(acc, keep[rows].sum())  # the mean over all processes' kept rows
                 depth = max((len(steps[i]) for i in rows), default=0)  # a tree row may own no trained edge
                 for j in range(depth):
                     sel = [i for i in rows if len(steps[i]) > j]

@@ -33,7 +33,7 @@ from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.checkpoint import resume_recipe, save_recipe
 from flowrl.config import RunConfig
-from flowrl.distributed import make_accelerator
+from flowrl.distributed import kept_per_process, make_accelerator
 from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import ADV_MODES, nft_loss, velocity_kl
 from flowrl.marble import RewardGradients
@@ -226,7 +226,8 @@ class NFTTrainer:
                 index = rows.to(acc.device)  # [b]
                 x0_b, keep_b, per_reward_b = x0[index], keep[index].float(), per_reward[:, index]  # [b, ...], [b], [K, b]
                 adv_b = grads.advantages(advantages[index], per_reward_b)  # [b]; MARBLE: Σ_k ᾱ_k A_k
-                kept, per_backward = max(int(keep_b.sum()), 1), accum * times.shape[1]  # mean over kept samples, times, accum
+                kept = kept_per_process(acc, keep_b.sum())  # mean over every process's kept samples,
+                per_backward = accum * times.shape[1]  # over times and accumulated minibatches
                 sub_cond = select_cond(cond, index)
                 for j in range(times.shape[1]):
                     sigma = sigmas[times[rows, j].to(acc.device)]  # [b]

@@ -35,7 +35,7 @@ from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.checkpoint import resume_recipe, save_recipe
 from flowrl.config import RunConfig
-from flowrl.distributed import make_accelerator
+from flowrl.distributed import kept_per_process, make_accelerator
 from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import ram_loss, ram_target
 from flowrl.models import build_policy
@@ -231,7 +231,9 @@ class RAMTrainer:
                 keep_b = keep[sample_of[rows].to(acc.device)].float()  # [b]
                 v_theta = model.velocity(x_t, sigma_all[index], select_cond(cond, sample_of[rows].to(acc.device)), self.guidance)
                 per_item = ram_loss(v_theta, target)  # [b]
-                self.opt.backward((per_item * keep_b).sum() / max(int(keep_b.sum()), 1) / accum, boundary=(m + 1) % accum == 0)
+                self.opt.backward(
+                    (per_item * keep_b).sum() / kept_per_process(acc, keep_b.sum()) / accum, boundary=(m + 1) % accum == 0
+                )
                 stats["loss"].append(per_item.detach().mean())
                 stats["target_norm"].append(target.pow(2).mean(tuple(range(1, target.ndim))).sqrt().mean())
                 if (m + 1) % accum == 0 and self.opt.step(torch.stack(stats["loss"][window:])) and self.ema is not None:

@@ -125,12 +125,36 @@ def launch_all(rows_file, out, log):
         return subprocess.Popen(cmd, env=env(), stdout=stream, stderr=subprocess.STDOUT)
 
 
-@pytest.mark.slow
-def test_every_working_triple_steps_resumes_and_matches_two_processes(tmp_path, rows):
-    """Per working triple, one trainer: step 1, checkpoint, step 2 (the straight run), then resume the step-1
-    checkpoint into it and step again: the step-2 state must come back bit for bit (a state the checkpoint misses
-    would stay at its step-2 value). The 2-process launch runs meanwhile; its step-1 weights must equal these."""
+def covering(working: list[dict]) -> list[dict]:
+    """Working triples, in matrix order, that together contain every working pair (sampler x trainer, trainer x
+    balancer, sampler x balancer): greedily the triple that adds the most pairs not yet covered, ties by order."""
+
+    def pairs(r):
+        return {("st", r["sampler"], r["trainer"]), ("tb", r["trainer"], r["balancer"]), ("sb", r["sampler"], r["balancer"])}
+
+    missing, chosen = set().union(*map(pairs, working)), []
+    while missing:
+        best = max(working, key=lambda r: len(pairs(r) & missing))  # max keeps the first of equals
+        chosen.append(best)
+        missing -= pairs(best)
+    return sorted(chosen, key=working.index)
+
+
+def test_the_covering_rows_contain_every_working_pair(rows):
     working = [r for r in rows if r["works"]]
+    chosen = covering(working)
+    for a, b in (("sampler", "trainer"), ("trainer", "balancer"), ("sampler", "balancer")):
+        assert {(r[a], r[b]) for r in chosen} == {(r[a], r[b]) for r in working}
+    assert len(chosen) < len(working) / 2
+
+
+@pytest.mark.slow
+def test_every_working_pair_steps_resumes_and_matches_two_processes(tmp_path, rows):
+    """Every working pair (`covering`: the 43 of 96 working triples that hold them all), one
+    trainer per row: step 1, checkpoint, step 2 (the straight run), then resume the step-1 checkpoint into it and step
+    again: the step-2 state must come back bit for bit (a state the checkpoint misses would stay at its step-2 value).
+    The 2-process launch runs meanwhile; its step-1 weights must equal these."""
+    working = covering([r for r in rows if r["works"]])
     rows_file = tmp_path / "rows.json"
     rows_file.write_text(json.dumps(working))
     two = tmp_path / "two"
@@ -164,7 +188,8 @@ def test_every_working_triple_steps_resumes_and_matches_two_processes(tmp_path, 
         other_norm = json.loads((two / f"{i}.json").read_text())["grad_norm"]
         if difference >= TOLERANCE or other_norm != pytest.approx(grad_norm, rel=1e-4):
             off.append((row["sampler"], row["trainer"], row["balancer"], difference, grad_norm, other_norm))
-    assert {o[:3] for o in off} == KNOWN_TWO_PROCESS_DIFFERENCES, off
+    covered = {(r["sampler"], r["trainer"], r["balancer"]) for r in working}
+    assert {o[:3] for o in off} == KNOWN_TWO_PROCESS_DIFFERENCES & covered, off
 
 
 def test_the_cli_prints_the_table_and_the_json(capsys, rows):

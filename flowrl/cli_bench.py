@@ -1,0 +1,127 @@
+"""`flowrl bench ...`: the arguments and dispatch of the bench subcommands (flowrl/cli.py registers them).
+
+Every bench writes JSON with ratios measured side by side in one run: flowrl/bench.py (rollout, rewards, report,
+train), flowrl/race.py (trainers), flowrl/bench_tree.py, flowrl/bench_candidates.py, flowrl/bench_balancers.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+BENCHES = {
+    "rollout": "diffusers pipeline vs flowrl's ODE and SDE samplers on the tiny SD3 and FLUX pipelines",
+    "rewards": "images/s of every reward; the remote reward over in-process",
+    "report": "time to build the report of a fabricated run",
+    "train": "throughput and time shares of the toy GRPO config",
+}
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure speed; writes JSON with side-by-side ratios")
+    which = p.add_subparsers(
+        dest="what", required=True, metavar="{" + ",".join([*BENCHES, "tree", "trainers", "balancers", "candidates"]) + "}"
+    )
+    for name, text in BENCHES.items():
+        q = which.add_parser(name, help=text)
+        q.add_argument("--json", required=True, help="output JSON path")
+        q.add_argument("--repeats", type=int, default=5)
+    q = which.add_parser("tree", help="tree vs independent SDE rollouts at equal leaves and steps: forwards and wall per leaf")
+    q.add_argument("--json", required=True, help="output JSON path")
+    q.add_argument("--repeats", type=int, default=5)
+    q.add_argument("--num-steps", default="20", help="denoising steps of both (default: 20)")
+    q.add_argument("--split-steps", default="0,3,6,9", help="the tree's split steps (default: 0,3,6,9; b = 2: 16 leaves)")
+    q.add_argument("--families", default="toy,sd3", help="comma-separated models (default: toy,sd3)")
+    q = which.add_parser(
+        "trainers", help="race the configs/toy/*.yaml recipes over seeds to GRPO's final held-out exact accuracy"
+    )
+    q.add_argument("--json", required=True, help="output JSON path (rewritten after every run); the plot goes beside it, .png")
+    q.add_argument("--recipes", default=None, help="comma-separated configs/toy/<name>.yaml stems, e.g. grpo,nft (default: all)")
+    q.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default: 0,1,2)")
+    q.add_argument("--eval-every", default=None, help="measure every N training steps (default: num_steps // 10)")
+    q.add_argument("--heldout-seeds", default=None, help="seeds per held-out prompt (default: the demo's 16)")
+    q.add_argument("--clock", default="wall", help="wall, or cpu: process CPU time, not inflated by a shared machine")
+    q.add_argument("--merge", nargs="+", default=None, help="race JSONs run apart (e.g. a seed each) -> one race at --json")
+    q.add_argument("--part", action="store_true", help="--recipes may leave grpo out: a part to --merge with one that has it")
+    q.add_argument("overrides", nargs="*", help="key.path=value overrides for every recipe, e.g. num_steps=30")
+    q = which.add_parser("candidates", help="preview vs full-precision ranking fidelity and cost of every preview backend")
+    q.add_argument("--json", required=True, help="output JSON path")
+    q.add_argument("--num-prompts", default="8", help="prompts per world, one seed pool each (default: 8)")
+    q.add_argument("--worlds", default="toy,sd3", help="comma-separated: toy, sd3 (default: toy,sd3)")
+    q = which.add_parser("balancers", help="every multi-reward balancer on three conflicting toy rewards, over seeds")
+    q.add_argument("--json", required=True, help="output JSON path (rewritten after every run)")
+    q.add_argument("--balancers", default=None, help="comma-separated, e.g. weighted_sum,marble (default: all)")
+    q.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default: 0,1,2)")
+    q.add_argument("--heldout-seeds", default="4", help="seeds per held-out prompt (default: 4)")
+    q.add_argument("--timing-steps", default="6", help="interleaved steps of the side-by-side timing (default: 6)")
+    q.add_argument("overrides", nargs="*", help="key.path=value overrides for every run, e.g. num_steps=10")
+
+
+def _int_list(flag: str, value: str) -> list[int]:
+    try:
+        return [int(part) for part in value.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {value!r} must be comma-separated integers, e.g. {flag} 0,1,2") from None
+
+
+def _positive_int(flag: str, value: str | None) -> int | None:
+    if value is None:
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"{flag} {value!r} must be a whole number >= 1, e.g. {flag} 5")
+    return int(value)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from flowrl import bench
+
+    if args.what == "trainers" and args.merge:
+        bench.merge_results(args.merge, args.json)
+        print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
+        return 0
+    if args.what == "trainers":
+        bench.bench_trainers(
+            recipes=None if args.recipes is None else [name.strip() for name in args.recipes.split(",")],
+            seeds=_int_list("--seeds", args.seeds),
+            eval_every_n_steps=_positive_int("--eval-every", args.eval_every),
+            overrides=args.overrides,
+            out_json=args.json,
+            num_seeds=_positive_int("--heldout-seeds", args.heldout_seeds),
+            clock=args.clock,
+            part=args.part,
+        )
+        print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
+        return 0
+    if args.what == "balancers":
+        from flowrl.bench_balancers import bench_balancers
+
+        result = bench_balancers(
+            balancers=None if args.balancers is None else [name.strip() for name in args.balancers.split(",")],
+            seeds=_int_list("--seeds", args.seeds),
+            overrides=args.overrides,
+            out_json=args.json,
+            num_seeds=_positive_int("--heldout-seeds", args.heldout_seeds),
+            timing_steps=_positive_int("--timing-steps", args.timing_steps),
+        )
+        print(f"wrote {args.json}: marble_step_ratio {result['marble_step_ratio']}")
+        return 0
+    if args.what == "candidates":
+        from flowrl.bench_candidates import bench_candidates
+
+        worlds = tuple(name.strip() for name in args.worlds.split(","))
+        result = bench_candidates(num_prompts=_positive_int("--num-prompts", args.num_prompts), worlds=worlds)
+    elif args.what == "tree":
+        result = bench.bench_tree(
+            repeats=_positive_int("--repeats", str(args.repeats)),
+            num_steps=_positive_int("--num-steps", args.num_steps),
+            split_steps=tuple(_int_list("--split-steps", args.split_steps)),
+            families=tuple(name.strip() for name in args.families.split(",")),
+        )
+    else:
+        result = getattr(bench, f"bench_{args.what}")(repeats=args.repeats)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    return 0

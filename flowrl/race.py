@@ -359,7 +359,8 @@ def plot_trainers(result: dict, path: str | Path) -> Path:
             linewidth=1.0,
             label=f"target {result['target_accuracy']:.3f}: GRPO median final",
         )
-    ax.set_xlabel("training seconds (train_step only, evaluation excluded)")
+    clock = "CPU seconds, one process" if result.get("settings", {}).get("clock") == "cpu" else "training seconds"
+    ax.set_xlabel(f"{clock} (train_step only, evaluation excluded)")
     ax.set_ylabel("held-out exact accuracy (toy_exact)")
     ax.set_title("flowrl bench trainers: the toy Shapes world")
     ax.grid(alpha=0.3)

@@ -2,12 +2,12 @@
 
 prompts = load_prompts(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data")
 sampler = GroupedPromptSampler(prompts, num_prompts_per_step=8, group_size=8, seed=0)
+batch = sampler.local_batch(step, accelerator.process_index, accelerator.num_processes)
 
 A prompts file is plain text (one prompt a line, `#` comments) or, named `*.jsonl`, one JSON object a line:
 `{"prompt": "make the sky red", "image": "sources/beach.png", ...}`. `image` (a path relative to the file) is the
 source image of edit and image-to-video models; it and every other key reach the adapter and every reward as the
 sample's `metadata` (`load_prompt_records` returns them; docs/models.md#conditioning-images).
-batch = sampler.local_batch(step, accelerator.process_index, accelerator.num_processes)
 """
 
 from __future__ import annotations

@@ -43,13 +43,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> run_con
 
 
 def build_trainer(cfg: run_config.RunConfig, accelerator=None):
-    """The recipe of `cfg`; a sampler / balancer pair the recipe cannot train is refused here, before any model
-    loads, with the recipe's own one-line reason (`composition_error`, the `flowrl recipes` matrix's "why")."""
-    cls = trainer_class(cfg.trainer)
-    why = cls.composition_error(cfg.sampler, cfg.balancer, cfg.train, cfg.rewards)
-    if why:
-        raise run_config.ConfigError(why)
-    return cls(cfg, accelerator=accelerator)
+    """The recipe of `cfg`. A sampler / balancer pair the recipe cannot train is refused by its constructor, before any
+    model loads, with the recipe's own one-line reason (`composition_error`, the `flowrl recipes` matrix's "why")."""
+    return trainer_class(cfg.trainer)(cfg, accelerator=accelerator)
 
 
 __all__ = [

@@ -165,3 +165,27 @@ def test_scene_labels_and_judge_files_with_unknown_heads(tmp_path):
     save_file(ArtifactJudge().state_dict(), str(path))
     with pytest.raises(ValueError, match="artifact.safetensors has no heads.count.weight .*--judge attributes"):
         load_judge("attributes", path)
+
+
+def test_other_penalty_ranks_an_impossible_count_below_a_wrong_possible_one(attributes, countblind_checkpoint):
+    """score = P(count) P(colour) P(shape) - λ (1 - prod_heads (1 - P(other))), written out from the logits here."""
+    penalised = REWARDS.build("toy_attributes", other_penalty=0.5)
+    two = world.render_items([("red", "circle")] * 2, 7)[None]
+    four = world.render_items([("red", "circle")] * 4, 7)[None]
+    images, prompts = torch.cat([two, four]), ["three red circles"] * 2
+    out = penalised(images, prompts, None)
+    with torch.no_grad():
+        logits = penalised.judge(images)
+    plain = attributes(images, prompts, None).scores.detach()
+    possible = torch.ones(2, dtype=torch.float64)
+    for head in ("count", "colour", "shape"):
+        exp = logits[head].double().exp()
+        possible *= 1 - exp[:, -1] / exp.sum(1)  # the last class is "other"
+    torch.testing.assert_close(out.parts["impossible"].detach().double(), 1 - possible, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(out.scores.detach().double(), plain.double() - 0.5 * (1 - possible), rtol=1e-4, atol=1e-6)
+    assert plain.max() < 0.1  # both wrong for "three": without the penalty they tie near 0
+    assert out.scores[1] < out.scores[0] - 0.3, out.scores  # four shapes: impossible, penalised; two: possible
+    with pytest.raises(ValueError, match=r"other_penalty=-1 must be >= 0"):
+        REWARDS.build("toy_attributes", other_penalty=-1)
+    with pytest.raises(ValueError, match=r"other_penalty needs a judge with 'other' classes"):
+        REWARDS.build("toy_attributes", checkpoint=str(countblind_checkpoint), other_penalty=1.0)

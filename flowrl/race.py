@@ -116,18 +116,24 @@ def _run_recipe(
             with torch.random.fork_rng(), weights:  # training never depends on how often it is measured
                 model.transformer.eval()
                 scores = heldout_scores(model, num_seeds, steps, cfg.eval.guidance_scale, judge)
-            curve.append([step, round(seconds, 3), scores["exact_accuracy"], scores["judge_accuracy"], scores["artifact"]])
+            curve.append(
+                [step, round(seconds, 3), scores["exact_accuracy"], scores["judge_accuracy"], scores["artifact"]]
+                + [scores["impossible_count_rate"]]
+            )
             return scores
 
         curve: list[list[float]] = []
         base = measure(0, 0.0)
         seconds, final = 0.0, base
+        perf = dict.fromkeys(("step", "rollout", "reward", "optimise"), 0.0)  # the trainer's own wall timings
         bar = progress_bar(progress, cfg.num_steps, 0, f"{recipe} seed {seed}")
         try:
             for step in range(1, cfg.num_steps + 1):
                 tic = CLOCKS[clock]()
                 metrics = trainer.train_step()
                 seconds += CLOCKS[clock]() - tic
+                for key in perf:
+                    perf[key] += metrics.get(f"perf/{key}_s", 0.0)
                 show_progress(bar, metrics)
                 if step % every == 0 or step == cfg.num_steps:
                     final = measure(step, seconds)
@@ -142,7 +148,17 @@ def _run_recipe(
         "final_artifact": final["artifact"],
         "base_artifact": base["artifact"],
         "train_seconds": round(seconds, 3),
+        "time_shares": time_shares(perf),
     }
+
+
+def time_shares(perf: dict[str, float]) -> dict[str, float] | None:
+    """Rollout, reward and optimisation shares of the summed `perf/step_s` (the trainer's own wall timings; "other"
+    is the rest: prompt sampling, balancing, bookkeeping), or None when the trainer logged no step time."""
+    if not perf.get("step"):
+        return None
+    shares = {k: round(perf[k] / perf["step"], 3) for k in ("rollout", "reward", "optimise")}
+    return {**shares, "other": round(1 - sum(shares.values()), 3)}
 
 
 def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings: dict, host: dict) -> dict:
@@ -167,7 +183,14 @@ def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings
                 next((point[4] for point in run["curve"] if point[0] == steps), None) if steps is not None else None
                 for run, (steps, _) in zip(by_seed.values(), reached)
             ],
+            "impossible_at_target": [
+                next((point[5] for point in run["curve"] if point[0] == steps and len(point) > 5), None)
+                if steps is not None
+                else None
+                for run, (steps, _) in zip(by_seed.values(), reached)
+            ],
             "train_seconds": [run["train_seconds"] for run in by_seed.values()],
+            "time_shares": [run.get("time_shares") for run in by_seed.values()],
             "curves": [run["curve"] for run in by_seed.values()],
         }
         to_steps[name] = median_if_most(entry["steps_to_target"])
@@ -217,7 +240,8 @@ def bench_trainers(
     `eval_num_steps` ODE steps (default the config's eval.num_steps). `overrides` (dotlist) apply to every recipe.
 
     Per recipe: per seed the final accuracies and artifact score, the first measured step and training seconds at
-    or above the target (null if never), and the curves [[step, seconds, exact, judge, artifact], ...]. The medians
+    or above the target (null if never), the artifact score and impossible-count rate there, the trainer's time shares
+    (`time_shares`), and the curves [[step, seconds, exact, judge, artifact, impossible], ...]. The medians
     (`steps_to_grpo_final`, `seconds_to_grpo_final`, `seconds_ratio_to_grpo` = a recipe's median seconds over
     GRPO's) are over the seeds that reached the target, and null when fewer than half of the seeds reached it (the
     ratio also when GRPO's median seconds is 0: the base model already at the target). With `out_json`, the JSON is
@@ -321,6 +345,7 @@ def merge_results(paths: list[str | Path], out_json: str | Path | None = None) -
                     "final_artifact": entry["final_artifact"][k],
                     "base_artifact": entry["base_artifact"],
                     "train_seconds": entry["train_seconds"][k],
+                    "time_shares": entry.get("time_shares", [None] * len(entry["seeds"]))[k],
                 }
     if BASELINE not in runs:
         raise ValueError(f"none of {', '.join(map(str, paths))} has {BASELINE} runs: the target is GRPO's median final accuracy")

@@ -24,6 +24,8 @@ ENTRY_KEYS = {
     "train_seconds",
     "curves",
     "artifact_at_target",
+    "impossible_at_target",
+    "time_shares",
 }
 
 
@@ -44,6 +46,11 @@ def test_race_of_grpo_alone_writes_consistent_json_and_a_png(tmp_path):
     assert entry["final_accuracy"] == [curve[-1][2]] and entry["final_judge_accuracy"] == [curve[-1][3]]
     assert entry["final_artifact"] == [curve[-1][4]]
     assert entry["artifact_at_target"] == [next(p[4] for p in curve if p[0] == entry["steps_to_target"][0])]
+    assert entry["impossible_at_target"] == [next(p[5] for p in curve if p[0] == entry["steps_to_target"][0])]
+    assert all(0 <= p[5] <= 1 for p in curve)
+    (shares,) = entry["time_shares"]  # the trainer's perf/ timings: rollout + reward + optimise + other = 1
+    assert set(shares) == {"rollout", "reward", "optimise", "other"} and all(0 <= v <= 1 for v in shares.values())
+    assert sum(shares.values()) == pytest.approx(1.0, abs=2e-3) and shares["rollout"] > 0 and shares["optimise"] > 0
     assert all(0 <= p[2] <= 1 and 0 <= p[3] <= 1 for p in curve)
     assert result["target_accuracy"] == curve[-1][2]  # the median of one seed's final accuracy
     first = next(p for p in curve if p[2] >= result["target_accuracy"])
@@ -144,6 +151,14 @@ def test_race_result_target_medians_and_ratio_from_fabricated_runs():
     assert result["seconds_ratio_to_grpo"] == {"grpo": 1.0, "nft": None}
     assert result["recipes"]["nft"]["base_artifact"] == 0.4 and result["overrides"] == ["num_steps=10"]
     assert result["recipes"]["nft"]["artifact_at_target"] == [0.85, None, None]
+    assert result["recipes"]["nft"]["impossible_at_target"] == [None, None, None]  # 5-point curves: none recorded
+    assert race.time_shares({"step": 4.0, "rollout": 2.0, "reward": 1.0, "optimise": 0.5}) == {
+        "rollout": 0.5,
+        "reward": 0.25,
+        "optimise": 0.125,
+        "other": 0.125,
+    }
+    assert race.time_shares({"step": 0.0, "rollout": 0.0, "reward": 0.0, "optimise": 0.0}) is None
 
 
 def test_merged_per_seed_races_equal_the_race_of_all_seeds(tmp_path):

@@ -20,6 +20,7 @@ ADAPTERS = {
     "Flux2Pipeline": ("flowrl.models.flux2", "Flux2FlowModel"),
     "Flux2KleinPipeline": ("flowrl.models.flux2", "Flux2FlowModel"),
     "ZImagePipeline": ("flowrl.models.z_image", "ZImageFlowModel"),
+    "LTX2Pipeline": ("flowrl.models.ltx2", "LTX2FlowModel"),
 }
 
 DTYPES = {

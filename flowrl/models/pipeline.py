@@ -1,6 +1,6 @@
 """The part every diffusers-backed adapter shares: loading, the prompt cache, LoRA, the reference switch.
 
-A family file (sd3.py, flux.py, flux2.py, sana.py, wan.py, wan_i2v.py, qwen_image.py, qwen_image_edit.py, z_image.py) subclasses `PipelineFlowModel` and writes only what its
+A family file (sd3.py, flux.py, flux2.py, sana.py, wan.py, wan_i2v.py, qwen_image.py, qwen_image_edit.py, z_image.py, ltx2.py) subclasses `PipelineFlowModel` and writes only what its
 pipeline does differently: how prompts are encoded, how latents are laid out, how the transformer is
 called and how latents decode. Time arithmetic comes from `flowrl.sde`.
 """

@@ -15,12 +15,15 @@ from pathlib import Path
 
 import torch
 
+from flowrl.models.tiny_ltx2 import build_ltx2
 from flowrl.models.tiny_qwen import build_qwen_image, build_qwen_image_edit
 from flowrl.models.tiny_tokenizers import QWEN3_CHAT_TEMPLATE, clip_tokenizer, gemma_tokenizer, qwen2_tokenizer, t5_tokenizer
 
 FAMILIES = ("sd3", "flux", "sana", "wan", "wan22_a14b", "wan22_ti2v", "qwen_image", "flux2_klein", "flux2_dev", "z_image")
 # families conditioned on a source image per sample (edit, image-to-video): their own tests hand every sample one
 CONDITIONED_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus", "wan_i2v")
+# joint video + audio families: their state is not the pipeline's latent tensor, so they have their own tests
+JOINT_AUDIO_FAMILIES = ("ltx2",)
 
 
 def _clip_text_config():
@@ -488,6 +491,7 @@ BUILDERS = {
     "flux2_klein": build_flux2_klein,
     "flux2_dev": build_flux2_dev,
     "z_image": build_z_image,
+    "ltx2": build_ltx2,
 }
 
 # A size each tiny family runs at (height, width, num_frames) — divisible by its latent factors.
@@ -505,6 +509,7 @@ TINY_SIZES = {
     "flux2_klein": (32, 32, None),
     "flux2_dev": (32, 32, None),
     "z_image": (32, 32, None),
+    "ltx2": (32, 32, 5),  # the pipeline needs multiples of 32; 5 frames: 3 latent frames, 5 audio latent frames
 }
 
 

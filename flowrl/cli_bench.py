@@ -1,7 +1,7 @@
 """`flowrl bench ...`: the arguments and dispatch of the bench subcommands (flowrl/cli.py registers them).
 
-Every bench writes JSON with ratios measured side by side in one run: flowrl/bench.py (rollout, rewards, report,
-train), flowrl/race.py (trainers), flowrl/bench_tree.py, flowrl/bench_candidates.py, flowrl/bench_balancers.py.
+Every bench writes JSON with ratios measured side by side in one run: flowrl/bench.py (rewards, report, train),
+flowrl/bench_rollout.py, flowrl/race.py (trainers), flowrl/bench_tree.py, flowrl/bench_candidates.py, flowrl/bench_balancers.py.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 
 BENCHES = {
-    "rollout": "diffusers pipeline vs flowrl's ODE and SDE samplers on the tiny SD3 and FLUX pipelines",
     "rewards": "images/s of every reward; the remote reward over in-process",
     "report": "time to build the report of a fabricated run",
     "train": "throughput and time shares of the toy GRPO config",
@@ -19,8 +18,16 @@ BENCHES = {
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure speed; writes JSON with side-by-side ratios")
     which = p.add_subparsers(
-        dest="what", required=True, metavar="{" + ",".join([*BENCHES, "tree", "trainers", "balancers", "candidates"]) + "}"
+        dest="what",
+        required=True,
+        metavar="{" + ",".join(["rollout", *BENCHES, "tree", "trainers", "balancers", "candidates"]) + "}",
     )
+    q = which.add_parser("rollout", help="diffusers pipeline vs flowrl's ODE and SDE samplers on every tiny family")
+    q.add_argument("--json", required=True, help="output JSON path")
+    q.add_argument("--repeats", type=int, default=5)
+    q.add_argument("--families", default=None, help="comma-separated tiny families, e.g. sd3,wan22_a14b (default: all)")
+    q.add_argument("--num-steps", default="10", help="denoising steps of all three (default: 10)")
+    q.add_argument("--batch-size", default="4", help="samples per call (default: 4; Edit Plus' pipeline makes 1)")
     for name, text in BENCHES.items():
         q = which.add_parser(name, help=text)
         q.add_argument("--json", required=True, help="output JSON path")
@@ -112,6 +119,13 @@ def _run_bench(args: argparse.Namespace) -> int:
 
         worlds = tuple(name.strip() for name in args.worlds.split(","))
         result = bench_candidates(num_prompts=_positive_int("--num-prompts", args.num_prompts), worlds=worlds)
+    elif args.what == "rollout":
+        result = bench.bench_rollout(
+            repeats=_positive_int("--repeats", str(args.repeats)),
+            num_steps=_positive_int("--num-steps", args.num_steps),
+            batch_size=_positive_int("--batch-size", args.batch_size),
+            families=None if args.families is None else tuple(name.strip() for name in args.families.split(",")),
+        )
     elif args.what == "tree":
         result = bench.bench_tree(
             repeats=_positive_int("--repeats", str(args.repeats)),

@@ -49,6 +49,10 @@ class ModelConfig:
     train_expert: str | None = None
     """Wan 2.2 A14B only: the expert that trains (and carries the LoRA), 'high' (`transformer`, the default) or
     'low' (`transformer_2`); the other expert stays frozen."""
+    family_kwargs: dict[str, Any] | None = None
+    """Settings of the family's adapter, handed to its constructor (docs/models.md). LTX-2: frame_rate (24),
+    guidance_rescale (0), audio_guidance_scale and audio_guidance_rescale (None: the video values); its STG and
+    modality-isolation scales are accepted only at their neutral values."""
 
 
 @dataclass

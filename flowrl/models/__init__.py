@@ -78,6 +78,7 @@ def build_policy(model_cfg, device: str | torch.device):
     `model.dtype`). Call after seeding: a fresh adapter's initial weights come from the global RNG."""
     m = model_cfg
     extra = {"train_expert": m.train_expert} if m.train_expert is not None else {}
+    extra.update(m.family_kwargs or {})
     model = load_flow_model(
         m.path,
         dtype=m.dtype,

@@ -28,6 +28,7 @@ REAL = {
     "wan_i2v": "configs/wan22/grpo_i2v.yaml",
     "wan22_a14b": "configs/wan/grpo_video_wan22_a14b.yaml",
     "wan22_ti2v": "configs/wan/grpo_video_wan22_ti2v.yaml",
+    "ltx2": "configs/ltx2/grpo_video.yaml",
     "sd3-ram": "configs/sd3/ram_pickscore.yaml",
     "sd3-ram_ocr": "configs/sd3/ram_ocr.yaml",
     "flux-ram": "configs/flux/ram_hpsv2.yaml",
@@ -104,6 +105,8 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
         if "cached" in backend and family == "wan":  # the tiny Wan has one block: FirstBlockCache needs two
             frames += ["sampler.preview_cache={type: taylorseer}"]
     size = 16 if family.startswith("wan") else 32
+    if family == "ltx2":  # 5 frames; LTX2Pipeline needs multiples of 32; 16 text tokens (2 x the connectors' registers)
+        frames += ["sampler.num_frames=5", "model.max_sequence_length=16"]
     if family == "wan_i2v":  # its sources have 832x480's aspect ratio: the nearest tiny size, 80x48
         frames += ["sampler.width=80"]
         size = 48

@@ -7,8 +7,11 @@ splits the vector, makes the pipeline's one joint transformer call (both modalit
 the pipeline feeds them in text-to-video) and returns both predictions concatenated the same way, so the samplers,
 the SDE step and the log-probs treat the pair as one latent. Guidance is the pipeline's: CFG in x0 space, per
 modality with its own scale (`audio_guidance_scale`, None = the video scale), then the guidance rescale of each
-modality (`guidance_rescale`, `audio_guidance_rescale`). The pipeline's spatio-temporal guidance (STG) and
-modality-isolation guidance are not implemented; only their neutral settings (scale 0 and 1) are accepted.
+modality (`guidance_rescale`, `audio_guidance_rescale`); the pipeline's spatio-temporal guidance (`stg_scale`, one
+more call with the self-attention of `stg_blocks` skipped, which only checkpoints with `perturbed_attn` have) and
+modality-isolation guidance (`modality_scale`, one more call without the audio-video cross-attention) on request.
+The defaults are plain CFG: the pipeline's own defaults (STG 1 at block 28, modality 3, rescale 0.7, audio CFG 7)
+are its LTX-2.3 recommendations and cost two more transformer calls per step.
 
 `decode` gives the video frames [N, F, 3, H, W] in [0, 1] to the rewards; the audio stays in the state and
 `decode_audio` turns it into the vocoder's waveform on request.
@@ -53,6 +56,7 @@ class LTX2FlowModel(PipelineFlowModel):
         audio_guidance_rescale: float | None = None,
         stg_scale: float = 0.0,
         audio_stg_scale: float | None = None,
+        stg_blocks: list[int] | tuple[int, ...] = (),
         modality_scale: float = 1.0,
         audio_modality_scale: float | None = None,
     ):
@@ -68,17 +72,34 @@ class LTX2FlowModel(PipelineFlowModel):
             raise ValueError(
                 f"model.family_kwargs.audio_guidance_scale={audio_guidance_scale!r} must be >= 0 (or None: the video scale)"
             )
-        for name, value, neutral in (
-            ("stg_scale", stg_scale, 0.0),
-            ("audio_stg_scale", audio_stg_scale, 0.0),
-            ("modality_scale", modality_scale, 1.0),
-            ("audio_modality_scale", audio_modality_scale, 1.0),
+        for name, value in (
+            ("stg_scale", stg_scale),
+            ("audio_stg_scale", audio_stg_scale),
+            ("modality_scale", modality_scale),
+            ("audio_modality_scale", audio_modality_scale),
         ):
-            if value is not None and value != neutral:
-                raise ValueError(
-                    f"model.family_kwargs.{name}={value!r}: flowrl does not implement LTX-2's "
-                    f"{'spatio-temporal' if 'stg' in name else 'modality-isolation'} guidance; set it to {neutral:g} (off)"
-                )
+            if value is not None and value < 0:
+                raise ValueError(f"model.family_kwargs.{name}={value!r} must be >= 0")
+        self.stg_scales = (float(stg_scale), float(stg_scale if audio_stg_scale is None else audio_stg_scale))
+        self.modality_scales = (
+            float(modality_scale),
+            float(modality_scale if audio_modality_scale is None else audio_modality_scale),
+        )
+        layers = len(self.transformer.transformer_blocks)
+        self.stg_blocks = [int(b) for b in stg_blocks]
+        if max(self.stg_scales) > 0 and not self.stg_blocks:
+            raise ValueError(
+                "model.family_kwargs.stg_scale > 0 needs stg_blocks, the blocks whose self-attention STG skips (e.g. [28])"
+            )
+        if max(self.stg_scales) > 0 and not self.transformer.config.perturbed_attn:
+            raise ValueError(
+                "model.family_kwargs.stg_scale > 0 but the transformer has perturbed_attn=False (LTX-2.0), where STG "
+                "changes nothing; set stg_scale to 0"
+            )
+        if any(not 0 <= b < layers for b in self.stg_blocks):
+            raise ValueError(
+                f"model.family_kwargs.stg_blocks={list(stg_blocks)} must index the transformer's {layers} blocks (0 to {layers - 1})"
+            )
         self.frame_rate = float(frame_rate)
         self.guidance_rescale = float(guidance_rescale)
         self.audio_guidance_scale = audio_guidance_scale
@@ -238,7 +259,7 @@ class LTX2FlowModel(PipelineFlowModel):
         with self.autocast():  # the guidance arithmetic stays in float32, as in the pipeline
             return self._velocity(latents.float(), sigma, cond, guidance_scale)
 
-    def _forward(self, video, audio, timestep, embeds, audio_embeds, mask, layout):
+    def _forward(self, video, audio, timestep, embeds, audio_embeds, mask, layout, stg_blocks=None, isolate=False):
         f, h, w, a = layout
         n, device = video.shape[0], video.device
         transformer = self.transformer
@@ -261,8 +282,8 @@ class LTX2FlowModel(PipelineFlowModel):
             audio_num_frames=a,
             video_coords=video_coords,
             audio_coords=audio_coords,
-            isolate_modalities=False,
-            spatio_temporal_guidance_blocks=None,
+            isolate_modalities=isolate,  # modality-isolation guidance: no audio-video cross-attention
+            spatio_temporal_guidance_blocks=stg_blocks,  # STG: these blocks' self-attention skipped
             perturbation_mask=None,
             use_cross_timestep=True,
             return_dict=False,
@@ -276,21 +297,38 @@ class LTX2FlowModel(PipelineFlowModel):
         video, audio = self.split_latents(latents)
         timestep = timesteps_from_sigmas(sigma)  # [N]
         keys = ("prompt_embeds", "audio_prompt_embeds", "attention_mask")
-        if not self.uses_cfg(guidance_scale):
-            v_video, v_audio = self._forward(video, audio, timestep, *(cond[k] for k in keys), layout)
+        text = [cond[k] for k in keys]
+        cfg = self.uses_cfg(guidance_scale)
+        stg, modality = max(self.stg_scales) > 0, max(self.modality_scales) > 1
+        if not (cfg or stg or modality):
+            v_video, v_audio = self._forward(video, audio, timestep, *text, layout)
             return torch.cat([v_video.flatten(1), v_audio.flatten(1)], dim=1)
-        # one call over [negative; prompt], as the pipeline batches it
-        text = [torch.cat([cond[f"negative_{k}"], cond[k]]) for k in keys]
-        v_video, v_audio = self._forward(video.repeat(2, 1, 1), audio.repeat(2, 1, 1), timestep.repeat(2), *text, layout)
+        # the pipeline's guidance, in x0 space: each term adds scale x (conditional - weaker prediction)
+        terms = []  # (scales (video, audio), weaker x0 predictions (video, audio))
+        if cfg:  # one call over [negative; prompt], as the pipeline batches it
+            both = [torch.cat([cond[f"negative_{k}"], cond[k]]) for k in keys]
+            out = self._forward(video.repeat(2, 1, 1), audio.repeat(2, 1, 1), timestep.repeat(2), *both, layout)
+            uncond, conditional = zip(*(v.chunk(2) for v in out))
+            scales = (guidance_scale, self._audio_scale(guidance_scale))
+            terms.append(([s - 1 for s in scales], uncond))
+        else:
+            conditional = self._forward(video, audio, timestep, *text, layout)
+        if stg:
+            terms.append((self.stg_scales, self._forward(video, audio, timestep, *text, layout, stg_blocks=self.stg_blocks)))
+        if modality:
+            terms.append(
+                ([s - 1 for s in self.modality_scales], self._forward(video, audio, timestep, *text, layout, isolate=True))
+            )
         s = sigma.view(-1, 1, 1)
-        scales = (guidance_scale, self._audio_scale(guidance_scale))
         rescales = (self.guidance_rescale, self.audio_guidance_rescale)
         out = []
-        for x, v, scale, rescale in zip((video, audio), (v_video, v_audio), scales, rescales):
-            uncond, conditional = (x - v_part * s for v_part in v.chunk(2))  # x0 predictions
-            guided = conditional + (scale - 1) * (conditional - uncond)
+        for m, (x, v, rescale) in enumerate(zip((video, audio), conditional, rescales)):
+            x0 = x - v * s
+            guided = x0
+            for scales, weaker in terms:  # in the pipeline's order: CFG, STG, modality isolation
+                guided = guided + scales[m] * (x0 - (x - weaker[m] * s))
             if rescale > 0:
-                guided = rescale_guidance(guided, conditional, rescale)
+                guided = rescale_guidance(guided, x0, rescale)
             out.append(((x - guided) / s).flatten(1))  # back to a velocity
         return torch.cat(out, dim=1)
 

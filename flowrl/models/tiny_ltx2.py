@@ -2,8 +2,9 @@
 
 Gemma-3 from a config (2 text layers of width 16 and a 1-layer SigLIP tower, which text-to-video never runs) behind
 the character-level Gemma tokenizer of tiny_tokenizers.py; the text connectors (8 learnable registers, so prompts
-pad to a multiple of 8 tokens); a 1-layer joint video/audio transformer; a 1-block video VAE (2x spatial and
-temporal compression: 32x32x5 frames -> 4 x 3 x 16 x 16 latents), the audio VAE (8 mel bins) and vocoder; and
+pad to a multiple of 8 tokens); a 1-layer joint video/audio transformer (with LTX-2.3's perturbable self-attention,
+which spatio-temporal guidance needs); a 1-block video VAE (2x spatial and temporal compression: 32x32x5 frames ->
+4 x 3 x 16 x 16 latents), the audio VAE (8 mel bins) and vocoder; and
 LTX-2's scheduler settings (exponential dynamic shift over the video token count, terminal σ 0.1). Both VAEs carry
 latent statistics away from (0, 1), so the adapter's normalisation is exercised.
 """
@@ -87,6 +88,7 @@ def build_ltx2(folder: Path) -> Path:
         audio_cross_attention_dim=8,
         num_layers=1,
         caption_channels=width,
+        perturbed_attn=True,  # LTX-2.3's layout: spatio-temporal guidance can skip a block's self-attention
     )
     vae = AutoencoderKLLTX2Video(
         latent_channels=4,

@@ -1,6 +1,7 @@
 """LTX-2 (LTX2Pipeline) against the pipeline: σ grid, both initial noises, the ODE sampler with and without guidance
-(video frames, final video and audio latents, the audio waveform), LoRA, prompt length, the on-policy ratio, gradient
-checkpointing, the guidance rescale, the offline round trip and the refused inputs."""
+(video frames, final video and audio latents, the audio waveform), CFG with its rescale, STG and modality-isolation
+guidance, LoRA, prompt length, the on-policy ratio, gradient checkpointing, the offline round trip and the refused
+inputs."""
 
 import pytest
 import torch
@@ -118,6 +119,46 @@ def test_ode_sampler_matches_the_pipeline(folder, guidance, options):
     assert waveform.shape == frames.audio.shape and model.audio_sample_rate == 16000
     torch.testing.assert_close(waveform, frames.audio.float(), rtol=0, atol=1e-4)
     assert rollout.latents.shape[1] == 4 and rollout.log_probs.abs().max() == 0
+
+
+@pytest.mark.parametrize(
+    "guidance,options,pipeline_options",
+    [
+        # the pipeline's own defaults (CFG 3 with rescale 0.7, audio CFG 7, STG 1, modality 3), STG at the tiny's block
+        (
+            3.0,
+            {"guidance_rescale": 0.7, "audio_guidance_scale": 7.0, "stg_scale": 1.0, "stg_blocks": [0], "modality_scale": 3.0},
+            {},
+        ),
+        # STG and modality isolation without CFG, audio scales of their own
+        (
+            1.0,
+            {"stg_scale": 0.5, "audio_stg_scale": 2.0, "stg_blocks": [0], "modality_scale": 2.0, "audio_modality_scale": 1.5},
+            {"audio_guidance_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_rescale": None, "stg_scale": 0.5,
+             "audio_stg_scale": 2.0, "modality_scale": 2.0, "audio_modality_scale": 1.5},
+        ),
+    ],
+    ids=["pipeline-defaults", "stg-modality-no-cfg"],
+)  # fmt: skip
+def test_stg_and_modality_guidance_match_the_pipeline(folder, guidance, options, pipeline_options):
+    model = load_flow_model(folder, max_sequence_length=SHORT, **options)
+    final = ode(2, guidance, decode=False)(model, batch()).latents[:, -1]
+    out = model.pipe(
+        prompt=PROMPTS,
+        height=H,
+        width=W,
+        num_frames=F,
+        num_inference_steps=2,
+        guidance_scale=guidance,
+        spatio_temporal_guidance_blocks=[0],
+        max_sequence_length=SHORT,
+        output_type="latent",
+        generator=[torch.Generator().manual_seed(s) for s in SEEDS],
+        **pipeline_options,
+    )
+    torch.testing.assert_close(final, pipeline_state(model.pipe, out), rtol=0, atol=1e-4)
+    plain = ode(2, guidance, decode=False)(load_flow_model(folder, max_sequence_length=SHORT), batch()).latents[:, -1]
+    assert (plain - final).abs().max() > 1e-3  # the extra guidance terms change the result
 
 
 def test_cfg_runs_when_only_the_audio_is_guided(folder):
@@ -238,8 +279,9 @@ def test_an_image_given_to_the_text_only_family(model):
 @pytest.mark.parametrize(
     "options,match",
     [
-        ({"stg_scale": 1.0}, r"stg_scale=1.0: flowrl does not implement LTX-2's spatio-temporal guidance; set it to 0"),
-        ({"audio_modality_scale": 3.0}, r"audio_modality_scale=3.0: .* modality-isolation guidance; set it to 1"),
+        ({"stg_scale": 1.0}, r"stg_scale > 0 needs stg_blocks, the blocks whose self-attention STG skips"),
+        ({"stg_scale": 1.0, "stg_blocks": [1]}, r"stg_blocks=\[1\] must index the transformer's 1 blocks \(0 to 0\)"),
+        ({"audio_modality_scale": -1.0}, r"audio_modality_scale=-1.0 must be >= 0"),
         ({"guidance_rescale": 1.5}, r"guidance_rescale=1.5 must be in \[0, 1\]"),
         ({"frame_rate": 0}, r"frame_rate=0 must be a positive number"),
         ({"max_sequence_length": 12}, r"max_sequence_length=12 must be a multiple of the LTX-2 text connectors' 8"),
@@ -263,3 +305,16 @@ def test_sizes_the_pipeline_refuses(model, size, match):
 def test_a_state_of_unknown_size(model):
     with pytest.raises(ValueError, match="an LTX-2 state of 7 values has no known size"):
         model.decode(torch.zeros(1, 7))
+
+
+def test_stg_is_refused_where_it_changes_nothing(folder, tmp_path):
+    """An LTX-2.0 transformer (perturbed_attn=False) runs STG's extra call to the same prediction: refused."""
+    import json
+    import shutil
+
+    copy = tmp_path / "ltx20"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "transformer" / "config.json").read_text())
+    (copy / "transformer" / "config.json").write_text(json.dumps({**config, "perturbed_attn": False}))
+    with pytest.raises(ValueError, match="perturbed_attn=False .* where STG changes nothing; set stg_scale to 0"):
+        load_flow_model(str(copy), stg_scale=1.0, stg_blocks=[0])

@@ -31,8 +31,11 @@ HACKING_PAIRS = {"toy_exact": "toy_attributes"}  # gold reward -> the training r
 
 @torch.no_grad()
 def heldout_scores(model, num_seeds: int, num_steps: int, guidance_scale: float, judge_checkpoint: str | None = None) -> dict:
-    """Exact and judge accuracy, impossible-count and mixed-colour rates and the mean artifact reward over every
-    held-out prompt x `num_seeds` fixed seeds (the judge: `judge_checkpoint`, default the shipped one)."""
+    """Exact and judge accuracy, impossible-count and mixed-colour rates, the mean artifact reward and the diversity
+    (per prompt the mean pairwise RMS pixel distance of its seeds' images, `flowrl.evaluation`'s pixel space, averaged
+    over prompts; None for one seed) over every held-out prompt x `num_seeds` fixed seeds (the judge:
+    `judge_checkpoint`, default the shipped one)."""
+    from flowrl.evaluation import mean_pairwise_distance, pixel_features
     from flowrl.registry import REWARDS
     from flowrl.toy.accuracy import exact_accuracy, judge_accuracy, sample_images
     from flowrl.toy.judges import load_judge
@@ -45,12 +48,14 @@ def heldout_scores(model, num_seeds: int, num_steps: int, guidance_scale: float,
     exact = exact_accuracy(images, prompts)
     judge = judge_accuracy(load_judge("attributes", judge_checkpoint), images, prompts)
     artifact = REWARDS.build("toy_artifact")(images, prompts, [{} for _ in prompts]).scores
+    per_prompt = [mean_pairwise_distance(pixel_features(images[i : i + num_seeds])) for i in range(0, len(prompts), num_seeds)]
     return {
         "exact_accuracy": exact["accuracy"],
         "judge_accuracy": judge["accuracy"],
         "impossible_count_rate": exact["impossible_count_rate"],
         "mixed_colour_rate": exact["mixed_colour_rate"],
         "artifact": round(float(artifact.mean()), 4),
+        "diversity": None if num_seeds < 2 else round(sum(per_prompt) / len(per_prompt), 4),  # RMS pixel distance
         "num_samples": len(prompts),
         "exact": exact,
         "judge": judge,

@@ -118,7 +118,7 @@ def _run_recipe(
                 scores = heldout_scores(model, num_seeds, steps, cfg.eval.guidance_scale, judge)
             curve.append(
                 [step, round(seconds, 3), scores["exact_accuracy"], scores["judge_accuracy"], scores["artifact"]]
-                + [scores["impossible_count_rate"]]
+                + [scores["impossible_count_rate"], scores["diversity"]]
             )
             return scores
 
@@ -189,6 +189,13 @@ def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings
                 else None
                 for run, (steps, _) in zip(by_seed.values(), reached)
             ],
+            "diversity_at_target": [
+                next((point[6] for point in run["curve"] if point[0] == steps and len(point) > 6), None)
+                if steps is not None
+                else None
+                for run, (steps, _) in zip(by_seed.values(), reached)
+            ],
+            "final_diversity": [run["curve"][-1][6] if len(run["curve"][-1]) > 6 else None for run in by_seed.values()],
             "train_seconds": [run["train_seconds"] for run in by_seed.values()],
             "time_shares": [run.get("time_shares") for run in by_seed.values()],
             "curves": [run["curve"] for run in by_seed.values()],
@@ -240,8 +247,9 @@ def bench_trainers(
     `eval_num_steps` ODE steps (default the config's eval.num_steps). `overrides` (dotlist) apply to every recipe.
 
     Per recipe: per seed the final accuracies and artifact score, the first measured step and training seconds at
-    or above the target (null if never), the artifact score and impossible-count rate there, the trainer's time shares
-    (`time_shares`), and the curves [[step, seconds, exact, judge, artifact, impossible], ...]. The medians
+    or above the target (null if never), the artifact score, impossible-count rate and diversity there, the final
+    diversity, the trainer's time shares (`time_shares`), and the curves [[step, seconds, exact, judge, artifact,
+    impossible, diversity], ...] (diversity: `flowrl.demo.heldout_scores`). The medians
     (`steps_to_grpo_final`, `seconds_to_grpo_final`, `seconds_ratio_to_grpo` = a recipe's median seconds over
     GRPO's) are over the seeds that reached the target, and null when fewer than half of the seeds reached it (the
     ratio also when GRPO's median seconds is 0: the base model already at the target). With `out_json`, the JSON is

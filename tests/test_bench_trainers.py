@@ -25,6 +25,8 @@ ENTRY_KEYS = {
     "curves",
     "artifact_at_target",
     "impossible_at_target",
+    "diversity_at_target",
+    "final_diversity",
     "time_shares",
 }
 
@@ -48,6 +50,7 @@ def test_race_of_grpo_alone_writes_consistent_json_and_a_png(tmp_path):
     assert entry["artifact_at_target"] == [next(p[4] for p in curve if p[0] == entry["steps_to_target"][0])]
     assert entry["impossible_at_target"] == [next(p[5] for p in curve if p[0] == entry["steps_to_target"][0])]
     assert all(0 <= p[5] <= 1 for p in curve)
+    assert all(p[6] is None for p in curve) and entry["final_diversity"] == [None]  # one held-out seed: no pair
     (shares,) = entry["time_shares"]  # the trainer's perf/ timings: rollout + reward + optimise + other = 1
     assert set(shares) == {"rollout", "reward", "optimise", "other"} and all(0 <= v <= 1 for v in shares.values())
     assert sum(shares.values()) == pytest.approx(1.0, abs=2e-3) and shares["rollout"] > 0 and shares["optimise"] > 0
@@ -152,6 +155,7 @@ def test_race_result_target_medians_and_ratio_from_fabricated_runs():
     assert result["recipes"]["nft"]["base_artifact"] == 0.4 and result["overrides"] == ["num_steps=10"]
     assert result["recipes"]["nft"]["artifact_at_target"] == [0.85, None, None]
     assert result["recipes"]["nft"]["impossible_at_target"] == [None, None, None]  # 5-point curves: none recorded
+    assert result["recipes"]["nft"]["diversity_at_target"] == [None] * 3 == result["recipes"]["nft"]["final_diversity"]
     assert race.time_shares({"step": 4.0, "rollout": 2.0, "reward": 1.0, "optimise": 0.5}) == {
         "rollout": 0.5,
         "reward": 0.25,

@@ -122,6 +122,23 @@ def test_heldout_scores_grade_by_the_exact_checker_beside_the_judge():
     exact = REWARDS.build("toy_exact")(images, prompts)
     assert scores["exact_accuracy"] == pytest.approx(exact.scores.mean().item(), abs=1e-4)
     assert scores["impossible_count_rate"] == pytest.approx(exact.parts["impossible_count"].mean().item(), abs=1e-4)
+    assert scores["diversity"] is None  # one seed per prompt: no pair
+
+
+def test_heldout_diversity_is_the_mean_rms_pixel_distance_of_each_prompts_seeds():
+    from flowrl.demo import heldout_scores
+    from flowrl.models.toy import load_toy_model
+    from flowrl.toy.accuracy import sample_images
+    from flowrl.toy.world import split_prompts
+
+    model = load_toy_model()
+    scores = heldout_scores(model, num_seeds=2, num_steps=3, guidance_scale=1.0)
+    prompts = split_prompts("heldout")
+    rms = []
+    for i, prompt in enumerate(prompts):  # two seeds each: one pair, its RMS pixel difference
+        a, b = sample_images(model, [prompt, prompt], [10_000 + i * 100, 10_000 + i * 100 + 1], 3, 1.0).double()
+        rms.append(((a - b) ** 2).mean().sqrt().item())
+    assert scores["diversity"] == pytest.approx(sum(rms) / len(rms), abs=1e-4) and scores["diversity"] > 0
 
 
 @pytest.mark.parametrize(

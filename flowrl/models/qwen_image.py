@@ -76,7 +76,36 @@ class QwenImageFlowModel(PackedLatentsMixin, PipelineFlowModel):
         return np.linspace(1.0, 1 / num_steps, num_steps).tolist()
 
     # ----------------------------------------------------------------------------------------- network
+    text_padding_multiple = 64
+    """A transformer call pads each prompt to its own token count rounded up to this, not to max_sequence_length."""
+
+    def _text_groups(self, mask: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        """(text length, rows) of each transformer call: a row's prompt tokens (through its last unmasked one) rounded
+        up to `text_padding_multiple`, at most the cache's width. A sample's padding thus depends on its own prompt
+        only, never on its batch-mates; rows None: every row shares one length."""
+        m, width = self.text_padding_multiple, mask.shape[1]
+        last = width - mask.bool().flip(1).int().argmax(1)  # [N] one past the last unmasked token (all masked: width)
+        lengths = ((last + m - 1) // m * m).clamp(min=m, max=width)
+        values = lengths.unique().tolist()
+        if len(values) == 1:
+            return [(values[0], None)]
+        return [(length, (lengths == length).nonzero().flatten()) for length in values]
+
     def _forward(self, latents, timestep, embeds, mask, img_shapes):
+        """The transformer over text trimmed per row (`_text_groups`): the masked padding past a prompt's own
+        tokens changes no prediction (the transformer masks it out of attention) but costs every layer."""
+        out = None
+        for length, rows in self._text_groups(mask):
+            if rows is None:
+                return self._transformer_call(latents, timestep, embeds[:, :length], mask[:, :length], img_shapes)
+            part = self._transformer_call(
+                latents[rows], timestep[rows], embeds[rows, :length], mask[rows, :length], [img_shapes[i] for i in rows]
+            )
+            out = part.new_empty(latents.shape[0], *part.shape[1:]) if out is None else out
+            out[rows] = part
+        return out
+
+    def _transformer_call(self, latents, timestep, embeds, mask, img_shapes):
         return self.transformer(
             hidden_states=latents,
             timestep=timestep,

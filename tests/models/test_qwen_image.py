@@ -1,4 +1,5 @@
-"""Qwen-Image specifics: the norm-preserving true CFG, padded prompts that never change a prediction, the text cap."""
+"""Qwen-Image specifics: the norm-preserving true CFG, padded prompts that never change a prediction, each call's
+padding trimmed per prompt, the text cap."""
 
 import pytest
 import torch
@@ -64,6 +65,31 @@ def test_padding_to_max_sequence_length_changes_no_prediction(model):
         return_dict=False,
     )[0]
     torch.testing.assert_close(alone, unpadded, rtol=0, atol=1e-5)
+
+
+def test_text_groups_round_each_prompt_up_to_64_tokens_by_hand(model):
+    mask = torch.zeros(3, 100, dtype=torch.long)
+    mask[0, :90], mask[1, :3], mask[2, :64] = 1, 1, 1  # 90 -> 128, capped at the width 100; 3 -> 64; 64 -> 64
+    assert [(length, rows.tolist()) for length, rows in model._text_groups(mask)] == [(64, [1, 2]), (100, [0])]
+    ((length, rows),) = model._text_groups(mask[1:])
+    assert length == 64 and rows is None  # one length: one call over every row
+
+
+@torch.no_grad()
+def test_each_call_trims_a_prompts_padding_to_its_own_length(model):
+    """Rows padded to their own tokens rounded up to 64 (a call per length) predict what the whole 512-token padding
+    predicts, and a sample predicts bit for bit the same alone as beside a prompt of another length."""
+    cond = model.encode([PROMPTS[0], "a red cat on a mat " * 6])
+    lengths = cond["prompt_embeds_mask"].sum(1).tolist()
+    assert -(-lengths[0] // 64) != -(-lengths[1] // 64)  # two padded lengths, two calls
+    x, t = noisy_latents(model), torch.tensor([0.6, 0.6])
+    img_shapes = [[(1, *model._grid(x.shape[1]))]] * 2
+    embeds, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]
+    trimmed = model._forward(x, t, embeds, mask, img_shapes)
+    full = model._transformer_call(x, t, embeds, mask, img_shapes)
+    torch.testing.assert_close(trimmed, full, rtol=0, atol=1e-5)
+    alone = model._forward(x[:1], t[:1], embeds[:1], mask[:1], img_shapes[:1])
+    torch.testing.assert_close(alone, trimmed[:1], rtol=0, atol=0)
 
 
 def test_max_sequence_length_above_the_pipelines_cap(tiny_pipeline):

@@ -75,6 +75,10 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
             self._cache[key] = self._encode_batch([key[0]], negative) if len(key) == 2 else self._encode_source(*key)
         return concat_cond([self._cache[k] for k in keys])
 
+    def clear_prompt_cache(self) -> None:
+        """Forget every encoded prompt: the next `encode` runs the text encoders again."""
+        self._cache.clear()
+
     def set_max_sequence_length(self, length: int) -> None:
         """Text tokens per prompt (the pipelines' `max_sequence_length`); clears the prompt cache."""
         if not isinstance(length, int) or length < 1:

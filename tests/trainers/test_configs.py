@@ -142,3 +142,25 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
     if any(r.name == "image_consistency" for r in cfg.rewards):  # the source image reached the reward through the step
         assert metrics["reward/image_consistency/mean"] == metrics["reward/image_consistency/mean"]  # not NaN
     assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.opt.params))
+
+
+@pytest.mark.parametrize(
+    "fastest, recipe",
+    [
+        ("configs/sd3/fastest_pickscore.yaml", "configs/sd3/ram_pickscore.yaml"),
+        ("configs/flux/fastest_hpsv2.yaml", "configs/flux/ram_hpsv2.yaml"),
+    ],
+)
+def test_real_fastest_configs_are_the_winning_recipe_whose_one_step_runs_above(fastest, recipe):
+    """[compose]'s search on seeds 0-2 picked RAM with ODE rollouts (docs/recipes/compose.md#the-fastest-combination):
+    each real-model fastest config is a link to its RAM config (one file to keep), whose one step runs in REAL."""
+    path = ROOT / fastest
+    assert path.is_symlink() and path.resolve() == (ROOT / recipe).resolve() and recipe in REAL.values()
+    assert load_config(path).trainer == "ram" and load_config(path).sampler.name == "ode"
+
+
+def test_toy_fastest_is_ram_with_half_the_rollout_steps():
+    fastest, ram = load_config(ROOT / "configs/toy/fastest.yaml"), load_config(ROOT / "configs/toy/ram.yaml")
+    assert (fastest.trainer, fastest.sampler.kwargs["num_steps"], ram.sampler.kwargs["num_steps"]) == ("ram", 4, 8)
+    assert {**fastest.sampler.kwargs, "num_steps": 8} == ram.sampler.kwargs and fastest.sampler.name == "ode"
+    assert fastest.train == ram.train and fastest.data == ram.data and fastest.rewards == ram.rewards

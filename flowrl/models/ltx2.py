@@ -303,6 +303,8 @@ class LTX2FlowModel(PipelineFlowModel):
         if not (cfg or stg or modality):
             v_video, v_audio = self._forward(video, audio, timestep, *text, layout)
             return torch.cat([v_video.flatten(1), v_audio.flatten(1)], dim=1)
+        if bool((sigma <= 0).any()):
+            raise ValueError("LTX-2 guidance runs in x0 space (x0 = x - σ·v, then back through 1/σ): call it at σ > 0")
         # the pipeline's guidance, in x0 space: each term adds scale x (conditional - weaker prediction)
         terms = []  # (scales (video, audio), weaker x0 predictions (video, audio))
         if cfg:  # one call over [negative; prompt], as the pipeline batches it

@@ -302,6 +302,14 @@ def test_sizes_the_pipeline_refuses(model, size, match):
         model.prepare_latents(1, size[0], size[1], None, size[2])
 
 
+def test_guidance_needs_a_positive_sigma(model):
+    x = model.prepare_latents(1, H, W, [torch.Generator().manual_seed(0)], F)
+    cond = model.encode(PROMPTS[:1], guidance_scale=3.0)
+    with pytest.raises(ValueError, match="LTX-2 guidance runs in x0 space .*: call it at σ > 0"):
+        model.velocity(x, 0.0, cond, 3.0)
+    assert model.velocity(x, 0.0, model.encode(PROMPTS[:1]), 1.0).isfinite().all()  # unguided: any σ
+
+
 def test_a_state_of_unknown_size(model):
     with pytest.raises(ValueError, match="an LTX-2 state of 7 values has no known size"):
         model.decode(torch.zeros(1, 7))

@@ -10,7 +10,7 @@ from diffusers import DiffusionPipeline
 from flowrl import sde
 from flowrl.models import load_flow_model
 from flowrl.models.conditioning import encode_prompts
-from flowrl.models.ltx2 import rescale_guidance
+from flowrl.models.ltx2 import LTX2FlowModel, rescale_guidance
 from flowrl.models.tiny import TINY_SIZES
 from flowrl.registry import SAMPLERS
 from flowrl.types import PromptBatch
@@ -140,8 +140,8 @@ def test_ode_sampler_matches_the_pipeline(folder, guidance, options):
     ],
     ids=["pipeline-defaults", "stg-modality-no-cfg"],
 )  # fmt: skip
-def test_stg_and_modality_guidance_match_the_pipeline(folder, guidance, options, pipeline_options):
-    model = load_flow_model(folder, max_sequence_length=SHORT, **options)
+def test_stg_and_modality_guidance_match_the_pipeline(model, folder, guidance, options, pipeline_options):
+    plain, model = model, load_flow_model(folder, max_sequence_length=SHORT, **options)
     final = ode(2, guidance, decode=False)(model, batch()).latents[:, -1]
     out = model.pipe(
         prompt=PROMPTS,
@@ -157,7 +157,7 @@ def test_stg_and_modality_guidance_match_the_pipeline(folder, guidance, options,
         **pipeline_options,
     )
     torch.testing.assert_close(final, pipeline_state(model.pipe, out), rtol=0, atol=1e-4)
-    plain = ode(2, guidance, decode=False)(load_flow_model(folder, max_sequence_length=SHORT), batch()).latents[:, -1]
+    plain = ode(2, guidance, decode=False)(plain, batch()).latents[:, -1]  # CFG alone (the adapter's defaults)
     assert (plain - final).abs().max() > 1e-3  # the extra guidance terms change the result
 
 
@@ -288,9 +288,12 @@ def test_an_image_given_to_the_text_only_family(model):
         ({"train_expert": "low"}, r"model.train_expert='low' does not apply to LTX2Pipeline"),
     ],
 )
-def test_settings_it_does_not_support_are_refused(folder, options, match):
+def test_settings_it_does_not_support_are_refused(model, folder, options, match):
     with pytest.raises(ValueError, match=match):
-        load_flow_model(folder, **options)
+        if {"max_sequence_length", "train_expert"} & set(options):  # load_flow_model's arguments
+            load_flow_model(folder, **options)
+        else:  # the adapter's own: built over the loaded pipeline
+            LTX2FlowModel(model.pipe, **options)
 
 
 @pytest.mark.parametrize(

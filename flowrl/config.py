@@ -51,8 +51,8 @@ class ModelConfig:
     'low' (`transformer_2`); the other expert stays frozen."""
     family_kwargs: dict[str, Any] | None = None
     """Settings of the family's adapter, handed to its constructor (docs/models.md). LTX-2: frame_rate (24),
-    guidance_rescale (0), audio_guidance_scale and audio_guidance_rescale (None: the video values); its STG and
-    modality-isolation scales are accepted only at their neutral values."""
+    guidance_rescale (0), stg_scale (0) with stg_blocks, modality_scale (1), and their audio_* twins (None: the video
+    values); the sampler's guidance_scale is its video CFG scale."""
 
 
 @dataclass

@@ -161,6 +161,12 @@ def time_shares(perf: dict[str, float]) -> dict[str, float] | None:
     return {**shares, "other": round(1 - sum(shares.values()), 3)}
 
 
+def value_at(curve: list[list], step: int | None, index: int):
+    """Value `index` of the curve's point at `step`; None for no step (never reached) or a point older races recorded
+    without that value."""
+    return next((p[index] for p in curve if p[0] == step and len(p) > index), None) if step is not None else None
+
+
 def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings: dict, host: dict) -> dict:
     """The race's JSON from the finished runs ({recipe: {seed: run}}); the target is null until every GRPO seed ran."""
     grpo = runs.get(BASELINE, {})
@@ -179,23 +185,11 @@ def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings
             "base_artifact": next(iter(by_seed.values()))["base_artifact"],  # the base model: alike for every seed
             "steps_to_target": [steps for steps, _ in reached],
             "seconds_to_target": [seconds for _, seconds in reached],
-            "artifact_at_target": [
-                next((point[4] for point in run["curve"] if point[0] == steps), None) if steps is not None else None
-                for run, (steps, _) in zip(by_seed.values(), reached)
-            ],
-            "impossible_at_target": [
-                next((point[5] for point in run["curve"] if point[0] == steps and len(point) > 5), None)
-                if steps is not None
-                else None
-                for run, (steps, _) in zip(by_seed.values(), reached)
-            ],
-            "diversity_at_target": [
-                next((point[6] for point in run["curve"] if point[0] == steps and len(point) > 6), None)
-                if steps is not None
-                else None
-                for run, (steps, _) in zip(by_seed.values(), reached)
-            ],
-            "final_diversity": [run["curve"][-1][6] if len(run["curve"][-1]) > 6 else None for run in by_seed.values()],
+            **{
+                f"{key}_at_target": [value_at(run["curve"], steps, index) for run, (steps, _) in zip(by_seed.values(), reached)]
+                for key, index in (("artifact", 4), ("impossible", 5), ("diversity", 6))
+            },
+            "final_diversity": [value_at(run["curve"], run["curve"][-1][0], 6) for run in by_seed.values()],
             "train_seconds": [run["train_seconds"] for run in by_seed.values()],
             "time_shares": [run.get("time_shares") for run in by_seed.values()],
             "curves": [run["curve"] for run in by_seed.values()],

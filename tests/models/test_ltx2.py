@@ -6,8 +6,8 @@ inputs."""
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from model_checks import assert_checkpointing_keeps_lora_gradients, assert_log_probs_rescore_exactly
 
-from flowrl import sde
 from flowrl.models import load_flow_model
 from flowrl.models.conditioning import encode_prompts
 from flowrl.models.ltx2 import LTX2FlowModel, rescale_guidance
@@ -221,17 +221,7 @@ def test_lora_saved_by_flowrl_changes_the_pipeline_output_identically(folder, tm
 def test_on_policy_ratio_is_exactly_one(model, folder, dtype):
     model = model if dtype == "float32" else load_flow_model(folder, dtype=dtype, max_sequence_length=SHORT)
     sampler = SAMPLERS.get("sde")(num_steps=3, height=H, width=W, num_frames=F, guidance_scale=3.0, noise_level=0.8)
-    r = sampler(model, batch())
-    assert len(r.transitions) > 0
-    for k in sorted(set(r.transitions[:, 1].tolist())):
-        with torch.no_grad():
-            v = model.velocity(r.latents[:, k], r.sigmas[k], r.cond, r.guidance_scale)
-            log_prob, _ = sde.rescore_transition(
-                r.rule, v, r.latents[:, k], r.latents[:, k + 1], r.sigmas[k].expand(2), r.sigmas[k + 1].expand(2),
-                r.noise_levels[:, k],
-            )  # fmt: skip
-        for i in r.transitions[r.transitions[:, 1] == k, 0].tolist():
-            assert log_prob[i].item() == r.log_probs[i, k].item(), (i, k)
+    assert_log_probs_rescore_exactly(model, sampler(model, batch()))
 
 
 def test_gradient_checkpointing_gives_the_same_lora_gradients(folder):
@@ -239,20 +229,7 @@ def test_gradient_checkpointing_gives_the_same_lora_gradients(folder):
     torch.manual_seed(0)
     model.add_lora(rank=4, alpha=8, init_lora_weights=False)
     x = torch.randn(2, *model.latent_shape(H, W, F), generator=torch.Generator().manual_seed(0))
-    cond = model.encode(PROMPTS, guidance_scale=3.0)
-
-    def grads():
-        model.transformer.zero_grad()
-        model.velocity(x, torch.tensor([0.7, 0.4]), cond, 3.0).square().mean().backward()
-        return {n: p.grad.clone() for n, p in model.transformer.named_parameters() if p.requires_grad and p.grad is not None}
-
-    plain = grads()
-    model.enable_gradient_checkpointing()
-    assert model.transformer.is_gradient_checkpointing
-    checkpointed = grads()
-    assert plain.keys() == checkpointed.keys() and len(plain) > 0
-    for name in plain:
-        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7)
+    assert_checkpointing_keeps_lora_gradients(model, x, model.encode(PROMPTS, guidance_scale=3.0))
 
 
 def test_tiny_pipeline_round_trips_offline(folder, tmp_path):

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from model_checks import assert_log_probs_rescore_exactly
 from PIL import Image
 
-from flowrl import sde
 from flowrl.models import load_flow_model
 from flowrl.models.tiny import TINY_SIZES
 from flowrl.registry import SAMPLERS
@@ -149,16 +149,7 @@ def test_on_policy_ratio_is_exactly_one(models, tiny_pipeline, family, dtype, so
     r = SAMPLERS.get("sde")(num_steps=3, height=H, width=W, guidance_scale=SCALE, noise_level=0.8, decode=False)(
         model, batch(source, prompts=(PROMPT, "add a moon"), seeds=(1, 2))
     )
-    assert len(r.transitions) > 0
-    for k in sorted(set(r.transitions[:, 1].tolist())):
-        x, x_next = r.latents[:, k], r.latents[:, k + 1]
-        with torch.no_grad():
-            v = model.velocity(x, r.sigmas[k], r.cond, r.guidance_scale)
-            log_prob, _ = sde.rescore_transition(
-                r.rule, v, x, x_next, r.sigmas[k].expand(2), r.sigmas[k + 1].expand(2), r.noise_levels[:, k]
-            )
-        for i in r.transitions[r.transitions[:, 1] == k, 0].tolist():
-            assert log_prob[i].item() == r.log_probs[i, k].item(), (i, k)
+    assert_log_probs_rescore_exactly(model, r)
 
 
 # ------------------------------------------------------------------------------------------- bad input

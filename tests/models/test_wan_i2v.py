@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from model_checks import assert_log_probs_rescore_exactly
 from PIL import Image
 
-from flowrl import sde
 from flowrl.models import load_flow_model
 from flowrl.models.tiny import TINY_SIZES
 from flowrl.registry import SAMPLERS
@@ -113,17 +113,7 @@ def test_lora_saved_by_flowrl_changes_the_pipeline_output_identically(tiny_pipel
 def test_on_policy_ratio_is_exactly_one(model, tiny_pipeline, dtype, source):
     model = model if dtype == "float32" else load_flow_model(tiny_pipeline("wan_i2v"), dtype=dtype)
     sampler = SAMPLERS.get("sde")(num_steps=3, height=H, width=W, num_frames=F, guidance_scale=SCALE, noise_level=0.8)
-    r = sampler(model, batch(source, prompts=(PROMPT, "the cat jumps"), seeds=(1, 2)))
-    assert len(r.transitions) > 0
-    for k in sorted(set(r.transitions[:, 1].tolist())):
-        with torch.no_grad():
-            v = model.velocity(r.latents[:, k], r.sigmas[k], r.cond, r.guidance_scale)
-            log_prob, _ = sde.rescore_transition(
-                r.rule, v, r.latents[:, k], r.latents[:, k + 1], r.sigmas[k].expand(2), r.sigmas[k + 1].expand(2),
-                r.noise_levels[:, k],
-            )  # fmt: skip
-        for i in r.transitions[r.transitions[:, 1] == k, 0].tolist():
-            assert log_prob[i].item() == r.log_probs[i, k].item(), (i, k)
+    assert_log_probs_rescore_exactly(model, sampler(model, batch(source, prompts=(PROMPT, "the cat jumps"), seeds=(1, 2))))
 
 
 def test_an_i2v_model_without_a_source_image(model):

@@ -63,6 +63,9 @@ class DataConfig:
     """Prompts written in the config."""
     toy_split: str | None = None
     """'train' or 'heldout': the prompts of the Shapes world's split (the toy configs use this)."""
+    toy_sources: bool = False
+    """With toy_split: give each prompt its toy source image (`metadata["image"]`, flowrl/toy/sources.py), for the toy
+    image-to-video model (model.family_kwargs.source_weight > 0)."""
     num_prompts_per_step: int = 8
     """B: prompt groups per training step, over all processes."""
     group_size: int = 8
@@ -90,6 +93,8 @@ class EvalConfig:
     prompts: list[str] | None = None
     prompts_file: str | None = None
     toy_split: str | None = None
+    toy_sources: bool = False
+    """With toy_split: give each prompt its toy source image, as data.toy_sources."""
     num_prompts: int | None = None
     """Use only the first this many prompts."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
@@ -270,6 +275,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     sources = [cfg.data.prompts_file, cfg.data.prompts, cfg.data.toy_split]
     if sum(s is not None for s in sources) != 1:
         raise ConfigError("data needs exactly one of prompts_file, prompts, toy_split")
+    for section in ("data", "eval"):
+        part = getattr(cfg, section)
+        if part.toy_sources and part.toy_split is None:
+            raise ConfigError(
+                f"{section}.toy_sources=true needs {section}.toy_split (the source images are renders of the Shapes "
+                f"world's prompts); set {section}.toy_split or drop {section}.toy_sources"
+            )
     for section, reg_name in _COMPONENT_SECTIONS.items():
         spec = getattr(cfg, section)
         reg = getattr(registry, reg_name)

@@ -34,8 +34,10 @@ def heldout_scores(model, num_seeds: int, num_steps: int, guidance_scale: float,
     """Exact and judge accuracy, impossible-count and mixed-colour rates, the mean artifact reward and the diversity
     (per prompt the mean pairwise RMS pixel distance of its seeds' images, `flowrl.evaluation`'s pixel space, averaged
     over prompts; None for one seed) over every held-out prompt x `num_seeds` fixed seeds (the judge:
-    `judge_checkpoint`, default the shipped one)."""
+    `judge_checkpoint`, default the shipped one). A model conditioned on a source image (the toy image-to-video
+    model) samples each prompt from its toy source image (flowrl/toy/sources.py)."""
     from flowrl.evaluation import mean_pairwise_distance, pixel_features
+    from flowrl.models.conditioning import conditioning_kind
     from flowrl.registry import REWARDS
     from flowrl.toy.accuracy import exact_accuracy, judge_accuracy, sample_images
     from flowrl.toy.judges import load_judge
@@ -44,7 +46,12 @@ def heldout_scores(model, num_seeds: int, num_steps: int, guidance_scale: float,
     base = split_prompts("heldout")
     prompts = [p for p in base for _ in range(num_seeds)]
     seeds = [10_000 + i * 100 + k for i in range(len(base)) for k in range(num_seeds)]
-    images = sample_images(model, prompts, seeds, num_steps, guidance_scale)
+    metadata = None
+    if conditioning_kind(model) == "image":
+        from flowrl.toy.sources import source_path
+
+        metadata = [{"image": source_path(p)} for p in prompts]
+    images = sample_images(model, prompts, seeds, num_steps, guidance_scale, metadata=metadata)
     exact = exact_accuracy(images, prompts)
     judge = judge_accuracy(load_judge("attributes", judge_checkpoint), images, prompts)
     artifact = REWARDS.build("toy_artifact")(images, prompts, [{} for _ in prompts]).scores

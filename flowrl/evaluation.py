@@ -308,9 +308,10 @@ class Evaluator:
         """From a run config; `rewards` are the already-built training rewards (built here when None)."""
         e = cfg.eval
         if e.prompts or e.prompts_file or e.toy_split:
-            prompts, metadata = load_prompt_records(e.prompts, e.prompts_file, e.toy_split, "eval")
+            prompts, metadata = load_prompt_records(e.prompts, e.prompts_file, e.toy_split, "eval", e.toy_sources)
         else:
-            prompts, metadata = load_prompt_records(cfg.data.prompts, cfg.data.prompts_file, cfg.data.toy_split, "data")
+            d = cfg.data
+            prompts, metadata = load_prompt_records(d.prompts, d.prompts_file, d.toy_split, "data", d.toy_sources)
         rewards = rewards if rewards is not None else build_rewards(cfg.rewards, model.device)
         gold = build_rewards(e.gold_rewards, model.device)
         return cls(model, rewards, gold, e, dict(cfg.sampler.kwargs), prompts, metadata)

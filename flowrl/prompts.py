@@ -28,10 +28,17 @@ def load_prompts(prompts: list[str] | None, prompts_file: str | None, toy_split:
 
 
 def load_prompt_records(
-    prompts: list[str] | None, prompts_file: str | None, toy_split: str | None, where: str
+    prompts: list[str] | None,
+    prompts_file: str | None,
+    toy_split: str | None,
+    where: str,
+    toy_sources: bool = False,
 ) -> tuple[list[str], list[dict[str, Any]]]:
     """(prompts [P], metadata [P]) of a data or eval section: a JSONL file's extra keys per prompt (its `image`
-    resolved against the file's folder and checked to exist), {} for every other source."""
+    resolved against the file's folder and checked to exist), {} for every other source; with `toy_sources` (a
+    toy_split only) each toy prompt's source image, {"image": path} (flowrl/toy/sources.py)."""
+    if toy_sources and toy_split is None:
+        raise ValueError(f"{where}.toy_sources=true needs {where}.toy_split; set it or drop {where}.toy_sources")
     if prompts is not None:
         out = [p for p in prompts if p.strip()]
     elif prompts_file is not None:
@@ -58,6 +65,10 @@ def load_prompt_records(
         raise ValueError(f"{where} needs one of prompts, prompts_file, toy_split")
     if not out:
         raise ValueError(f"{where}: the prompt list is empty; add at least one prompt")
+    if toy_sources:
+        from flowrl.toy.sources import source_path
+
+        return out, [{"image": source_path(p)} for p in out]
     return out, [{} for _ in out]
 
 
@@ -171,7 +182,7 @@ def step_batches(cfg, sampler, num_processes: int) -> tuple[GroupedPromptSampler
             f"data.group_size={d.group_size} but the tree of sampler.split_steps={list(sampler.split_steps)} and "
             f"sampler.branching={sampler.branching} has {leaves} leaves; set data.group_size={leaves}"
         )
-    prompts, metadata = load_prompt_records(d.prompts, d.prompts_file, d.toy_split, "data")
+    prompts, metadata = load_prompt_records(d.prompts, d.prompts_file, d.toy_split, "data", d.toy_sources)
     prompt_sampler = GroupedPromptSampler(prompts, d.num_prompts_per_step, d.group_size, cfg.seed, whole, metadata)
     local_n = prompt_sampler.local_size(num_processes)
     chunks = t.num_rollout_batches

@@ -114,7 +114,10 @@ def _load(path_or_hub_id: str, dtype: torch.dtype, device, **kwargs):
     if path_or_hub_id == "toy":
         from flowrl.models.toy import load_toy_model
 
-        return load_toy_model(device=device, dtype=dtype)
+        for key in kwargs:
+            if key != "source_weight":
+                raise ValueError(f"model.{key}={kwargs[key]!r} does not apply to the toy model; its one setting is source_weight")
+        return load_toy_model(device=device, dtype=dtype, **kwargs)
     path = Path(path_or_hub_id).expanduser()
     if path.exists():
         from flowrl.models.pipeline import validate_pipeline_folder

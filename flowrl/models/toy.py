@@ -12,6 +12,11 @@ Text encoder: a tiny transformers `CLIPTextModel` over a word-level vocabulary o
 closed, so one token per word is exact and needs no tokenizer file); its contextual embeddings let
 cross-attention bind "red" to "circles". It is trained jointly during pretraining and frozen afterwards.
 Training drops the prompt to "" 10% of the time, so classifier-free guidance is meaningful.
+
+Toy image-to-video ("toy I2V"): `source_weight` W > 0 conditions the model on a source image as well (a one-frame
+image-to-video model; `conditioning = "image"`, the source from `metadata["image"]`, docs/models.md#conditioning-images).
+The UNet is not retrained: `velocity` pulls the denoised estimate toward the source in proportion to the noise level
+(see `ToyFlowModel.velocity`).
 """
 
 from __future__ import annotations
@@ -105,7 +110,16 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
     default_num_steps = DEFAULT_NUM_STEPS
     default_guidance_scale = DEFAULT_GUIDANCE_SCALE
 
-    def __init__(self, transformer, text_encoder, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        transformer,
+        text_encoder,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        source_weight: float = 0.0,
+    ):
+        if not source_weight >= 0.0:
+            raise ValueError(f"model.family_kwargs.source_weight={source_weight!r} must be >= 0 (0: the text-only model)")
         self.device = torch.device(device)
         self.dtype = dtype
         # (diffusers warns on any .to(dtype), so cast only when the dtype changes)
@@ -113,6 +127,10 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
         self.transformer = transformer.to(self.device, **cast).eval()  # the UNet; training updates it
         self.text_encoder = text_encoder.to(self.device, dtype).eval().requires_grad_(False)
         self._cache: dict[str, torch.Tensor] = {}  # prompt -> [L, D]
+        self.source_weight = float(source_weight)
+        if self.source_weight > 0.0:  # an instance attribute only here: the text-only model has no `conditioning`
+            self.conditioning = "image"
+            self._source_cache: dict[tuple[str, int, int], torch.Tensor] = {}  # (path, H, W) -> [3, H, W] in [-1, 1]
 
     # -- conditioning -------------------------------------------------------------------------------------
     def embed(self, prompts: list[str]) -> torch.Tensor:
@@ -131,14 +149,50 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
         """Whether `guidance_scale` means true classifier-free guidance (two branches): any scale above 1."""
         return guidance_scale > 1.0
 
-    def encode(self, prompts: list[str], negative_prompt: str = "", guidance_scale: float = 1.0) -> Cond:
+    def encode(
+        self,
+        prompts: list[str],
+        negative_prompt: str = "",
+        guidance_scale: float = 1.0,
+        images: list[str] | None = None,
+        size: tuple[int, int, int | None] | None = None,
+    ) -> Cond:
+        """Prompts [N] (and, with source_weight > 0, each one's source image path and the sample size (height, width,
+        num_frames) it is resized to; flowrl.models.conditioning.encode_prompts hands both)."""
         for prompt in prompts:  # "" is the unconditional (negative) prompt only: a blank prompt is refused as any other
             if not prompt.strip():
                 parse_prompt(prompt)
+        if getattr(self, "conditioning", None) is None:
+            if images is not None and any(i is not None for i in images):
+                raise ValueError(f"images={images[:1]!r}...: the {self.family} model is text-only; pass no images")
+        elif images is None or size is None or len(images) != len(prompts) or any(i is None for i in images):
+            raise ValueError(
+                f"the {self.family} model with source_weight={self.source_weight} needs one source image per prompt and "
+                "the sample size; encode through flowrl.models.conditioning.encode_prompts"
+            )
         cond = {"prompt_embeds": self._cached(list(prompts))}  # [N, L, D]
         if guidance_scale > 1.0:
             cond["negative_prompt_embeds"] = self._cached([negative_prompt] * len(prompts))  # [N, L, D]
+        if getattr(self, "conditioning", None) is not None:
+            height, width = size[0], size[1]
+            self.latent_shape(height, width)  # the size checks
+            cond["source_latents"] = torch.stack([self._source(p, height, width) for p in images])  # [N, 3, H, W]
         return cond
+
+    def _source(self, path: str, height: int, width: int) -> torch.Tensor:
+        """A source image as latents [3, H, W] in [-1, 1], resized to the sample size (cached by path and size)."""
+        key = (path, height, width)
+        if key not in self._source_cache:
+            from PIL import Image
+
+            from flowrl.models.conditioning import source_image
+
+            image = source_image(path, height, width)  # the shared aspect check and one-line file errors
+            if image.size != (width, height):
+                image = image.resize((width, height), Image.Resampling.BICUBIC)
+            pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)  # [3, H, W] in [0, 1]
+            self._source_cache[key] = (pixels * 2.0 - 1.0).to(self.device)
+        return self._source_cache[key]
 
     # -- geometry and time ------------------------------------------------------------------------------
     @property
@@ -168,6 +222,28 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
     def velocity(
         self, latents: torch.Tensor, sigma: float | torch.Tensor, cond: Cond, guidance_scale: float = 1.0
     ) -> torch.Tensor:
+        """Velocity [N, 3, H, W] of the text-conditioned UNet (CFG inside); with source_weight W > 0, pulled toward the
+        source: with x0_hat = x - sigma * v the denoised estimate of v (after CFG), it returns
+        v_c = v - W * (source - x0_hat), whose denoised estimate x - sigma * v_c is
+        x0_c = x0_hat + W * sigma * (source - x0_hat): the estimate moved toward the source in proportion to the noise
+        level, vanishing as sigma -> 0. So the source sets the layout in the early, noisy steps and the model finishes
+        the image in the late ones. Gradients flow through v (the LoRA trains through it); the source is a constant."""
+        v = self._text_velocity(latents, sigma, cond, guidance_scale)
+        if getattr(self, "conditioning", None) is None:
+            return v
+        if "source_latents" not in cond:
+            raise ValueError(
+                f"the {self.family} model with source_weight={self.source_weight} needs cond['source_latents']: "
+                "encode through flowrl.models.conditioning.encode_prompts with each prompt's source image"
+            )
+        n = latents.shape[0]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=v.device).reshape(-1).expand(n)[:, None, None, None]
+        x0_hat = latents.float() - sigma * v  # [N, 3, H, W]
+        return v - self.source_weight * (cond["source_latents"].float() - x0_hat)
+
+    def _text_velocity(
+        self, latents: torch.Tensor, sigma: float | torch.Tensor, cond: Cond, guidance_scale: float
+    ) -> torch.Tensor:
         n = latents.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n)  # [N]
         embeds = cond["prompt_embeds"]
@@ -194,19 +270,25 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
 # ---- shipped weights ------------------------------------------------------------------------------------
 
 
-def toy_model_from_state_dict(state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> ToyFlowModel:
+def toy_model_from_state_dict(
+    state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32, source_weight: float = 0.0
+) -> ToyFlowModel:
     unet, text_encoder = build_unet(), build_text_encoder()
     unet.load_state_dict({k[len("transformer.") :]: v.float() for k, v in state.items() if k.startswith("transformer.")})
     text_encoder.load_state_dict(
         {k[len("text_encoder.") :]: v.float() for k, v in state.items() if k.startswith("text_encoder.")}, strict=False
     )
-    return ToyFlowModel(unet, text_encoder, device=device, dtype=dtype)
+    return ToyFlowModel(unet, text_encoder, device=device, dtype=dtype, source_weight=source_weight)
 
 
 def load_toy_model(
-    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, checkpoint: str | Path | None = None
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    checkpoint: str | Path | None = None,
+    source_weight: float = 0.0,
 ) -> ToyFlowModel:
-    """The shipped toy model (size and sha256 checked), or a checkpoint file written by scripts/pretrain_toy.py."""
+    """The shipped toy model (size and sha256 checked), or a checkpoint file written by scripts/pretrain_toy.py;
+    `source_weight` > 0 makes it the toy image-to-video model (`ToyFlowModel.velocity`)."""
     from safetensors.torch import load_file
 
     if checkpoint is None:
@@ -217,4 +299,4 @@ def load_toy_model(
             raise FileNotFoundError(
                 f"toy checkpoint={str(path)!r} does not exist; pass a file written by scripts/pretrain_toy.py"
             )
-    return toy_model_from_state_dict(load_file(str(path)), device=device, dtype=dtype)
+    return toy_model_from_state_dict(load_file(str(path)), device=device, dtype=dtype, source_weight=source_weight)

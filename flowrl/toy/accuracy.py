@@ -25,9 +25,16 @@ HEADS = ("count", "colour", "shape")
 
 @torch.no_grad()
 def sample_images(
-    model, prompts: list[str], seeds: list[int], num_steps: int, guidance_scale: float, batch_size: int = 64
+    model,
+    prompts: list[str],
+    seeds: list[int],
+    num_steps: int,
+    guidance_scale: float,
+    batch_size: int = 64,
+    metadata: list[dict] | None = None,
 ) -> torch.Tensor:
-    """ODE-sampler images [N, 3, 32, 32] in [0, 1], the initial noise of sample i seeded by seeds[i]."""
+    """ODE-sampler images [N, 3, 32, 32] in [0, 1], the initial noise of sample i seeded by seeds[i]; `metadata` [N]
+    (None: none) reaches the sampler per sample, e.g. the source images of the toy image-to-video model."""
     from flowrl.samplers.ode import ODESampler
     from flowrl.types import PromptBatch
 
@@ -36,7 +43,10 @@ def sample_images(
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         batch = PromptBatch(
-            prompts=chunk, group_ids=torch.arange(len(chunk)), seeds=torch.tensor(seeds[start : start + batch_size])
+            prompts=chunk,
+            group_ids=torch.arange(len(chunk)),
+            metadata=list(metadata[start : start + batch_size]) if metadata is not None else [],
+            seeds=torch.tensor(seeds[start : start + batch_size]),
         )
         out.append(sampler(model, batch).images)
     return torch.cat(out)

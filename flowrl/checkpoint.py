@@ -195,6 +195,11 @@ def load_checkpoint(path: str | Path, process_index: int = 0, groups: tuple[str,
     }
 
 
+def read_group(path: str | Path, group: str) -> dict[str, torch.Tensor]:
+    """A recipe's tensor group of variable size (e.g. TAGRPO's memory bank) as saved, not copied into live tensors."""
+    return _read_checkpoint_file(Path(path) / f"{group}.safetensors", lambda f: load_file(str(f)))
+
+
 def config_differences(saved: dict, current: dict) -> list[str]:
     """Dotted keys whose values differ between a checkpoint's config and the current one (resumable keys excluded)."""
     from flowrl.config import flatten

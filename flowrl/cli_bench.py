@@ -49,6 +49,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--clock", default="wall", help="wall, or cpu: process CPU time, not inflated by a shared machine")
     q.add_argument("--merge", nargs="+", default=None, help="race JSONs run apart (e.g. a seed each) -> one race at --json")
     q.add_argument("--part", action="store_true", help="--recipes may leave grpo out: a part to --merge with one that has it")
+    q.add_argument(
+        "--baseline", default="grpo", help="the recipe whose median final accuracy is the target (grpo_i2v: the toy I2V world)"
+    )
     q.add_argument("overrides", nargs="*", help="key.path=value overrides for every recipe, e.g. num_steps=30")
     q = which.add_parser("candidates", help="preview vs full-precision ranking fidelity and cost of every preview backend")
     q.add_argument("--json", required=True, help="output JSON path")
@@ -98,6 +101,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             num_seeds=_positive_int("--heldout-seeds", args.heldout_seeds),
             clock=args.clock,
             part=args.part,
+            baseline=args.baseline,
         )
         print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
         return 0

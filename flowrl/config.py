@@ -70,6 +70,9 @@ class DataConfig:
     """B: prompt groups per training step, over all processes."""
     group_size: int = 8
     """G: rollouts per prompt. B * G must divide by the number of processes."""
+    noise_pool: int = 0
+    """> 0: a prompt's e-th group takes the group seed (its shared initial noise with sampler.same_latent) number
+    e mod noise_pool of a fixed pool per prompt, so starts recur (TAGRPO's memory bank); 0 = a fresh seed per group."""
 
 
 @dataclass

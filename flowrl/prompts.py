@@ -117,6 +117,7 @@ class GroupedPromptSampler:
         seed: int,
         whole_groups: bool = False,
         metadata: list[dict[str, Any]] | None = None,
+        noise_pool: int = 0,
     ):
         if not prompts:
             raise ValueError("GroupedPromptSampler: the prompt list is empty; add at least one prompt")
@@ -124,6 +125,9 @@ class GroupedPromptSampler:
             raise ValueError(f"GroupedPromptSampler: {len(metadata)} metadata entries for {len(prompts)} prompts; give one each")
         self.prompts, self.b, self.g, self.seed = prompts, num_prompts_per_step, group_size, seed
         self.whole_groups = whole_groups
+        if noise_pool < 0:
+            raise ValueError(f"data.noise_pool={noise_pool} must be >= 0 (0 = a fresh seed per group)")
+        self.noise_pool = noise_pool
         self.metadata = metadata if metadata is not None else [{} for _ in prompts]
 
     def _prompt_index(self, position: int) -> int:
@@ -136,6 +140,10 @@ class GroupedPromptSampler:
         group_ids = torch.arange(self.b).repeat_interleave(self.g)  # [B*G]
         seeds = torch.tensor([seed_formulas.sample_seed(self.seed, step, j) for j in range(self.b * self.g)])  # [B*G]
         group_seeds = seeds[group_ids * self.g]  # [B*G] the seed of each group's first sample
+        if self.noise_pool:  # the prompt's e-th visit takes its pooled seed e mod P (seeds.pooled_group_seed)
+            visits = [(step * self.b + i) // len(self.prompts) for i in range(self.b)]
+            pooled = [seed_formulas.pooled_group_seed(self.seed, p, e % self.noise_pool) for p, e in zip(indices, visits)]
+            group_seeds = torch.tensor(pooled).repeat_interleave(self.g)
         return PromptBatch(
             prompts,
             group_ids,
@@ -165,7 +173,7 @@ class GroupedPromptSampler:
         return self.global_batch(step).select(slice(process_index * n, (process_index + 1) * n))
 
 
-def step_batches(cfg, sampler, num_processes: int) -> tuple[GroupedPromptSampler, int]:
+def step_batches(cfg, sampler, num_processes: int, whole_groups: bool = False) -> tuple[GroupedPromptSampler, int]:
     """A recipe's grouped prompt sampler and its per-process sample count N, checked against the `train:` splits
     every recipe has (num_minibatches, gradient_accumulation_steps, num_rollout_batches); a sampler that sets
     `whole_groups` (tree rollouts) keeps every group on one process."""
@@ -175,7 +183,7 @@ def step_batches(cfg, sampler, num_processes: int) -> tuple[GroupedPromptSampler
             f"train.gradient_accumulation_steps={t.gradient_accumulation_steps} must divide "
             f"train.num_minibatches={t.num_minibatches}"
         )
-    whole = getattr(sampler, "whole_groups", False)
+    whole = whole_groups or getattr(sampler, "whole_groups", False)  # the recipe's need (TAGRPO) or the sampler's
     leaves = getattr(sampler, "num_leaves", None)  # a tree sampler: one tree per group, its leaves the group's samples
     if leaves is not None and d.group_size != leaves:
         raise ValueError(
@@ -183,7 +191,7 @@ def step_batches(cfg, sampler, num_processes: int) -> tuple[GroupedPromptSampler
             f"sampler.branching={sampler.branching} has {leaves} leaves; set data.group_size={leaves}"
         )
     prompts, metadata = load_prompt_records(d.prompts, d.prompts_file, d.toy_split, "data", d.toy_sources)
-    prompt_sampler = GroupedPromptSampler(prompts, d.num_prompts_per_step, d.group_size, cfg.seed, whole, metadata)
+    prompt_sampler = GroupedPromptSampler(prompts, d.num_prompts_per_step, d.group_size, cfg.seed, whole, metadata, d.noise_pool)
     local_n = prompt_sampler.local_size(num_processes)
     chunks = t.num_rollout_batches
     if local_n % t.num_minibatches or local_n % chunks:

@@ -38,24 +38,39 @@ TOY_CONFIGS = REPO / "configs" / "toy"
 BASELINE = "grpo"  # the recipe whose median final accuracy is the target
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # what "training seconds" are read from
 MULTI_REWARD_PREFIX = "multireward_"  # configs/toy/multireward_*.yaml belong to `flowrl bench balancers`
+I2V_SUFFIX = "_i2v"  # configs/toy/*_i2v.yaml: the toy image-to-video world, raced on its own (--baseline grpo_i2v)
 
 
-def toy_recipes() -> list[str]:
-    """Every `configs/toy/*.yaml` stem but the multi-reward ones (`multireward_*`, raced by `flowrl bench balancers`:
-    three rewards, not the race's one), sorted, grpo first."""
+def world(name: str) -> str:
+    """Which toy world a recipe trains in: 'i2v' (a source image per prompt) or 't2i'."""
+    return "i2v" if name.endswith(I2V_SUFFIX) else "t2i"
+
+
+def toy_recipes(baseline: str = BASELINE) -> list[str]:
+    """Every `configs/toy/*.yaml` stem of the baseline's world but the multi-reward ones (`multireward_*`, raced by
+    `flowrl bench balancers`: three rewards, not the race's one), sorted, the baseline first."""
     if not TOY_CONFIGS.is_dir():
         raise FileNotFoundError(f"no {TOY_CONFIGS} folder: `flowrl bench trainers` runs from a source checkout of flowrl")
     stems = sorted(p.stem for p in TOY_CONFIGS.glob("*.yaml") if not p.stem.startswith(MULTI_REWARD_PREFIX))
-    return sorted(stems, key=lambda name: name != BASELINE)
+    return sorted((s for s in stems if world(s) == world(baseline)), key=lambda name: name != baseline)
 
 
-def recipe_order(recipes: list[str] | None, part: bool = False) -> list[str]:
-    """The recipes to race, grpo first; an unknown name, a repeat or a list without grpo (unless `part`: a race to be
-    merged with one that has it) is a one-line error."""
-    available = toy_recipes()
+def recipe_order(recipes: list[str] | None, part: bool = False, baseline: str = BASELINE) -> list[str]:
+    """The recipes to race, the baseline (grpo) first; an unknown name, a repeat, a recipe of another toy world or a
+    list without the baseline (unless `part`: a race to be merged with one that has it) is a one-line error."""
+    available = toy_recipes(baseline)
+    every = sorted(p.stem for p in TOY_CONFIGS.glob("*.yaml") if not p.stem.startswith(MULTI_REWARD_PREFIX))
+    if baseline not in every:
+        raise ValueError(f"--baseline {baseline!r} has no configs/toy/{baseline}.yaml; use one of {', '.join(every)}")
     if recipes is None:
         recipes = available
     recipes = list(recipes)
+    for name in recipes:
+        if name in every and world(name) != world(baseline):
+            raise ValueError(
+                f"--recipes {name!r} trains in the toy {world(name)} world but --baseline {baseline!r} in the "
+                f"{world(baseline)} one; race each world apart (--baseline grpo_i2v for configs/toy/*{I2V_SUFFIX}.yaml)"
+            )
     if not recipes:
         raise ValueError(f"--recipes is empty; name some of {', '.join(available)} (default: all)")
     for name in recipes:
@@ -66,12 +81,12 @@ def recipe_order(recipes: list[str] | None, part: bool = False) -> list[str]:
             )
         if recipes.count(name) > 1:
             raise ValueError(f"--recipes names {name!r} twice; name each recipe once")
-    if BASELINE not in recipes and not part:
+    if baseline not in recipes and not part:
         raise ValueError(
-            f"--recipes {','.join(recipes)} lacks {BASELINE}: the target is GRPO's median final accuracy; "
-            f"add it, e.g. --recipes {BASELINE},{recipes[0]} (or --part, to --merge with a race that has it)"
+            f"--recipes {','.join(recipes)} lacks {baseline}: the target is its median final accuracy; "
+            f"add it, e.g. --recipes {baseline},{recipes[0]} (or --part, to --merge with a race that has it)"
         )
-    return [BASELINE] * (BASELINE in recipes) + [name for name in recipes if name != BASELINE]
+    return [baseline] * (baseline in recipes) + [name for name in recipes if name != baseline]
 
 
 def median_if_most(values: list) -> float | None:
@@ -168,8 +183,10 @@ def value_at(curve: list[list], step: int | None, index: int):
 
 
 def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings: dict, host: dict) -> dict:
-    """The race's JSON from the finished runs ({recipe: {seed: run}}); the target is null until every GRPO seed ran."""
-    grpo = runs.get(BASELINE, {})
+    """The race's JSON from the finished runs ({recipe: {seed: run}}); the target is null until every seed of the
+    baseline (settings["baseline"], default grpo) ran."""
+    baseline = settings.get("baseline", BASELINE)
+    grpo = runs.get(baseline, {})
     target = None
     if grpo and len(grpo) == len(settings["seeds"]):
         target = statistics.median(run["curve"][-1][2] for run in grpo.values())
@@ -196,8 +213,9 @@ def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings
         }
         to_steps[name] = median_if_most(entry["steps_to_target"])
         to_seconds[name] = median_if_most(entry["seconds_to_target"])
-    grpo_seconds = to_seconds.get(BASELINE)
+    grpo_seconds = to_seconds.get(baseline)
     return {
+        "baseline": baseline,  # the "grpo" of the keys below: the recipe whose median final accuracy is the target
         "target_accuracy": target,
         "recipes": recipes,
         "steps_to_grpo_final": to_steps,
@@ -234,6 +252,7 @@ def bench_trainers(
     progress: bool = True,
     clock: str = "wall",
     part: bool = False,
+    baseline: str = BASELINE,
 ) -> dict:
     """Race `recipes` (configs/toy/<name>.yaml stems; default all, grpo first) over `seeds` to GRPO's median final
     exact held-out accuracy. Measured at step 0, every `eval_every_n_steps` (default num_steps // 10, at least 1) and
@@ -255,7 +274,7 @@ def bench_trainers(
     from flowrl.demo import SUMMARY_SEEDS
     from flowrl.trainers import load_config
 
-    order = recipe_order(recipes, part)
+    order = recipe_order(recipes, part, baseline)
     seeds, overrides = list(seeds), list(overrides or [])
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds {','.join(map(str, seeds)) or '(none)'} must name at least one seed, each once, e.g. 0,1,2")
@@ -274,6 +293,7 @@ def bench_trainers(
         "eval_num_steps": eval_num_steps,
         "eval_every_n_steps": eval_every_n_steps,
         "clock": clock,
+        "baseline": baseline,
     }
     host = {
         "cpu_count": os.cpu_count(),
@@ -295,17 +315,17 @@ def bench_trainers(
             if out_json is not None:
                 _write_json(result, out_json)
             steps, seconds = first_reaching(run["curve"], result["target_accuracy"])
-            pending = name == BASELINE and result["target_accuracy"] is None
+            pending = name == baseline and result["target_accuracy"] is None
             print(
                 f"{name:<12} {seed:>4} {run['curve'][-1][2]:>6.3f} {run['final_judge_accuracy']:>6.3f} "
                 f"{run['final_artifact']:>8.3f} {run['train_seconds']:>8.1f} "
                 f"{'?' if pending else _cell(steps):>8} {'?' if pending else _cell(seconds, '{:.1f}'):>8}",
                 flush=True,
             )
-            if name == BASELINE and seed == seeds[-1]:
-                entry = result["recipes"][BASELINE]
+            if name == baseline and seed == seeds[-1]:
+                entry = result["recipes"][baseline]
                 print(
-                    f"target: exact accuracy {result['target_accuracy']:.4f} (grpo's median final); grpo reaches it at "
+                    f"target: exact accuracy {result['target_accuracy']:.4f} ({baseline}'s median final); it reaches it at "
                     f"steps {entry['steps_to_target']}, seconds {entry['seconds_to_target']}",
                     flush=True,
                 )
@@ -349,10 +369,11 @@ def merge_results(paths: list[str | Path], out_json: str | Path | None = None) -
                     "train_seconds": entry["train_seconds"][k],
                     "time_shares": entry.get("time_shares", [None] * len(entry["seeds"]))[k],
                 }
-    if BASELINE not in runs:
-        raise ValueError(f"none of {', '.join(map(str, paths))} has {BASELINE} runs: the target is GRPO's median final accuracy")
-    runs = {name: dict(sorted(runs[name].items())) for name in [BASELINE] + [n for n in runs if n != BASELINE]}
-    settings = {**first[0], "seeds": sorted(runs[BASELINE])}
+    baseline = first[0].get("baseline", BASELINE)
+    if baseline not in runs:
+        raise ValueError(f"none of {', '.join(map(str, paths))} has {baseline} runs: the target is its median final accuracy")
+    runs = {name: dict(sorted(runs[name].items())) for name in [baseline] + [n for n in runs if n != baseline]}
+    settings = {**first[0], "seeds": sorted(runs[baseline])}
     result = race_result(runs, first[1], settings, host)
     _print_medians(result)
     if out_json is not None:
@@ -384,7 +405,7 @@ def plot_trainers(result: dict, path: str | Path) -> Path:
             color="black",
             linestyle="--",
             linewidth=1.0,
-            label=f"target {result['target_accuracy']:.3f}: GRPO median final",
+            label=f"target {result['target_accuracy']:.3f}: {result.get('baseline', BASELINE)} median final",
         )
     clock = "CPU seconds, one process" if result.get("settings", {}).get("clock") == "cpu" else "training seconds"
     ax.set_xlabel(f"{clock} (train_step only, evaluation excluded)")

@@ -9,7 +9,8 @@ A sample's three random streams hang off its own seed `s`:
     step noise         manual_seed(s + NOISE_STREAM)
     SDE window start   manual_seed(s + WINDOW_STREAM)
     training noise     manual_seed(s + TRAIN_STREAM)              (NFT: its training times and their ε)
-A prompt group's candidate pool (the candidates sampler) hangs off the group's seed g:
+A group's seed g is its first sample's seed, or with data.noise_pool = P the prompt's pooled seed number e mod P
+(e: how often the prompt was drawn before). A prompt group's candidate pool (the candidates sampler) hangs off g:
     pool seeds, then random selection draws    manual_seed(g + POOL_STREAM)
 """
 
@@ -22,6 +23,7 @@ NOISE_STREAM = 1 << 32  # offset between a sample's latent seed and its step-noi
 WINDOW_STREAM = 2 * NOISE_STREAM  # offset of the seed that places a sample's SDE window
 TRAIN_STREAM = 3 * NOISE_STREAM  # offset of the seed of a sample's training-time draws (forward-process recipes)
 POOL_STREAM = 4 * NOISE_STREAM  # offset of the seed of a prompt group's candidate pool
+POOL_OFFSET = 987_654_321  # keeps pooled group seeds (data.noise_pool) apart from the sample seeds of early steps
 
 
 def prompt_order(seed: int, epoch: int, num_prompts: int) -> torch.Tensor:
@@ -32,6 +34,11 @@ def prompt_order(seed: int, epoch: int, num_prompts: int) -> torch.Tensor:
 def sample_seed(seed: int, step: int, position: int) -> int:
     """Seed of the sample at `position` of training step `step`'s global batch."""
     return (seed * 1_000_003 + step * 100_003 + position) % MAX_SEED
+
+
+def pooled_group_seed(seed: int, prompt_index: int, slot: int) -> int:
+    """Group seed number `slot` of prompt `prompt_index`'s fixed pool (data.noise_pool)."""
+    return (seed * 1_000_003 + POOL_OFFSET + prompt_index * 1_009 + slot) % MAX_SEED
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:

@@ -127,6 +127,34 @@ def test_recipes_default_to_every_toy_config_grpo_first_and_need_grpo(tmp_path, 
         race.recipe_order([])
 
 
+def test_the_image_to_video_recipes_race_apart_against_their_own_baseline(tmp_path, monkeypatch):
+    for stem in ("grpo", "nft", "grpo_i2v", "tagrpo_i2v"):
+        (tmp_path / f"{stem}.yaml").write_text("")
+    monkeypatch.setattr(race, "TOY_CONFIGS", tmp_path)
+    assert race.recipe_order(None) == ["grpo", "nft"]  # the default race stays in the text-to-image world
+    assert race.recipe_order(None, baseline="grpo_i2v") == ["grpo_i2v", "tagrpo_i2v"]
+    with pytest.raises(ValueError, match="'tagrpo_i2v' trains in the toy i2v world but --baseline 'grpo'"):
+        race.recipe_order(["grpo", "tagrpo_i2v"])
+    with pytest.raises(ValueError, match="--recipes tagrpo_i2v lacks grpo_i2v"):
+        race.recipe_order(["tagrpo_i2v"], baseline="grpo_i2v")
+    with pytest.raises(ValueError, match="--baseline 'nope' has no configs/toy/nope.yaml"):
+        race.recipe_order(None, baseline="nope")
+    runs = {
+        "grpo_i2v": {
+            0: {
+                "curve": [[0, 0.0, 0.4, 0.4, 1.0], [2, 5.0, 0.6, 0.6, 1.0]],
+                "final_judge_accuracy": 0.6,
+                "final_artifact": 1.0,
+                "base_artifact": 1.0,
+                "train_seconds": 5.0,
+            }
+        }
+    }
+    result = race_result(runs, [], {"seeds": [0], "baseline": "grpo_i2v"}, {})
+    assert result["baseline"] == "grpo_i2v" and result["target_accuracy"] == 0.6
+    assert result["seconds_ratio_to_grpo"] == {"grpo_i2v": 1.0}
+
+
 def test_medians_are_over_the_seeds_that_reached_and_null_below_half():
     assert median_if_most([4, None, 2]) == 3 and median_if_most([4, None]) == 4
     assert median_if_most([4, None, None]) is None and median_if_most([None]) is None

@@ -31,7 +31,7 @@ import torch
 from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.advantages import FUSIONS, WIDTH_PRUNINGS, tree_edge_advantages
-from flowrl.checkpoint import resume_recipe, save_recipe
+from flowrl.checkpoint import read_group, resume_recipe, save_recipe
 from flowrl.config import RunConfig
 from flowrl.distributed import Sharding, kept_per_process, make_accelerator
 from flowrl.evaluation import TrainingEvaluation
@@ -45,6 +45,7 @@ from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.runs import RunFolder, step_metrics, train_loop
 from flowrl.samplers.candidates import candidate_metrics
 from flowrl.scoring import Scorer, balance_per_reward, build_rewards, rollout_and_score
+from flowrl.tagrpo import Alignment, MemoryBank, TAGRPOConfig, alignment_loss, start_key
 from flowrl.types import Rollout, select_cond
 
 
@@ -108,6 +109,11 @@ class GRPOConfig(OptimizerConfig):
     normalised by the kept samples (Flow-GRPO)."""
     tree: TreeCreditConfig = field(default_factory=TreeCreditConfig)
     """Reward fusion, depth-wise advantages and pruning of tree rollouts (keys train.tree.*)."""
+    tagrpo: TAGRPOConfig = field(default_factory=TAGRPOConfig)
+    """TAGRPO's trajectory alignment and memory bank for image-to-video (keys train.tagrpo.*, flowrl/tagrpo.py)."""
+
+
+BANK_GROUP = "tagrpo_bank"  # the checkpoint file of TAGRPO's memory bank (<group>.safetensors)
 
 
 class Credit(NamedTuple):
@@ -205,6 +211,14 @@ class GRPOTrainer:
                 f"balancer {balancer.name} trains per-sample advantages; the {sampler.name} sampler's are per edge: use "
                 "sampler sde"
             )
+        tagrpo = getattr(train, "tagrpo", None)
+        if tagrpo is not None and tagrpo.enabled:
+            if sampler.name != "sde" or not sampler.kwargs.get("same_latent", False):
+                return (
+                    f"train.tagrpo aligns group members that share their initial noise, which sampler {sampler.name} "
+                    f"(same_latent={sampler.kwargs.get('same_latent', False)}) does not give: use sampler sde with "
+                    "same_latent: true"
+                )
         return None
 
     def __init__(self, cfg: RunConfig, accelerator=None):
@@ -221,7 +235,8 @@ class GRPOTrainer:
         self.accelerator = acc = accelerator or make_accelerator(cfg)
         self.run = RunFolder(cfg.output_dir, cfg.name)
         self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
-        self.prompt_sampler, self.local_n = step_batches(cfg, self.sampler, acc.num_processes)
+        # TAGRPO aligns a group's members with each other: every group on one process
+        self.prompt_sampler, self.local_n = step_batches(cfg, self.sampler, acc.num_processes, t.tagrpo.enabled)
         if Sharding(acc).kind is not None and cfg.sampler.name == "tree" and t.tree.width_pruning != "none":
             raise ValueError(
                 f"train.tree.width_pruning={t.tree.width_pruning!r} prunes each process's edges by its own advantages, so "
@@ -248,6 +263,12 @@ class GRPOTrainer:
         self.evaluation = TrainingEvaluation(cfg, acc, self.run, self.model, self.rewards, self.opt, self.ema)
         self.step = 0
         self.counters = {"reward_errors": 0}
+        self.bank = MemoryBank(t.tagrpo)  # TAGRPO's past rollouts (empty unless train.tagrpo.bank_size > 0)
+        if t.tagrpo.enabled and t.tagrpo.bank_size > 0 and acc.num_processes > 1:
+            raise ValueError(
+                f"train.tagrpo.bank_size={t.tagrpo.bank_size} keeps each process's own rollouts, which one checkpoint "
+                f"cannot hold for {acc.num_processes} processes yet; set train.tagrpo.bank_size=0 or run one process"
+            )
 
     # ------------------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
@@ -271,7 +292,10 @@ class GRPOTrainer:
 
         # 6. Optimise (eval mode kept: the recomputed log-probs must equal the rollout's on the first pass)
         tic = time.perf_counter()
-        metrics.update(self._optimise(rollout, local_adv.to(acc.device), keep.to(acc.device), per_reward.to(acc.device)))
+        alignment = self._alignment(rollout, batch, local, keep) if t.tagrpo.enabled else None
+        metrics.update(
+            self._optimise(rollout, local_adv.to(acc.device), keep.to(acc.device), per_reward.to(acc.device), alignment)
+        )
         optimise_s = time.perf_counter() - tic
 
         # 7. Log
@@ -281,7 +305,24 @@ class GRPOTrainer:
         self.step += 1
         return metrics
 
-    def _optimise(self, rollout: Rollout, advantages: torch.Tensor, keep: torch.Tensor, per_reward: torch.Tensor) -> dict:
+    def _alignment(self, rollout: Rollout, batch, local, keep: torch.Tensor) -> Alignment:
+        """TAGRPO's targets for this step: the combined training reward of every local sample (whole groups), its
+        start key (prompt, source image, shared initial-noise seed) and the bank."""
+        combined = sum(self.weights[name] * scores for name, scores in local.scores.items())  # [N], NaN where failed
+        latent_seeds = batch.group_seeds if batch.group_seeds is not None else batch.seeds
+        keys = [start_key(p, m, s) for p, m, s in zip(batch.prompts, batch.metadata, latent_seeds.tolist())]
+        alignment = Alignment(self.cfg.train.tagrpo, self.bank)
+        alignment.prepare(rollout, combined, keep.cpu() & ~local.failed, keys, self.step)
+        return alignment
+
+    def _optimise(
+        self,
+        rollout: Rollout,
+        advantages: torch.Tensor,
+        keep: torch.Tensor,
+        per_reward: torch.Tensor,
+        alignment: Alignment | None = None,
+    ) -> dict:
         """Clipped ratio loss (+ β KL) over each sample's trained transitions; every sample weighs 1 / (its
         transition count) within the minibatch's kept samples, averaged over the accumulated minibatches. The
         leaves of a tree share its edges: each edge of a tree weighs 1 / (the tree's mean edge count per leaf).
@@ -300,6 +341,8 @@ class GRPOTrainer:
         mb, accum = n // t.num_minibatches, t.gradient_accumulation_steps
         sigmas = rollout.sigmas.to(acc.device)
         stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("loss", "policy_loss", "kl", "ratio", "clipped", "approx_kl")}
+        align = {k: [] for k in ("loss", "attract", "repel", "bank_partners")}  # TAGRPO's terms, where enabled
+        ta = t.tagrpo
         for _ in range(t.num_inner_epochs):
             order = torch.randperm(n, generator=gen)
             for m in range(t.num_minibatches):
@@ -327,16 +370,27 @@ class GRPOTrainer:
                         rollout.rule, v, x, x_next, sigma, sigma_next, level, v_ref, t.kl_form, scale
                     )
                     kl = kl if kl is not None else torch.zeros_like(log_prob)
+                    regulariser = t.kl_coef * kl  # [b] the terms outside the advantage (and outside MARBLE's balancing)
+                    if alignment is not None:  # TAGRPO: the step mean pulled toward better members' next latents
+                        _, _, mean, std = rollout.rule.step(v, x, sigma, sigma_next, level, prev_sample=x_next, std_scale=scale)
+                        z_pos, has_pos, z_neg, has_neg, partners = alignment.targets(index, k)
+                        ta_loss, d_pos, d_neg = alignment_loss(mean, std, z_pos, has_pos, z_neg, has_neg, ta.repel, ta.repel_clip)
+                        regulariser = regulariser + ta.coef * ta_loss
+                        align["loss"].append(ta_loss.detach().mean())
+                        align["attract"].append(d_pos[has_pos].mean() if has_pos.any() else d_pos.new_zeros(()))
+                        align["repel"].append(d_neg[has_neg].mean() if has_neg.any() else d_neg.new_zeros(()))
+                        align["bank_partners"].append(partners.mean())
                     old = rollout.log_probs[index, k]
                     policy_loss, s = clipped_policy_loss(log_prob, old, credit.advantages[index, k], t.clip_range)
-                    per_sample = policy_loss + t.kl_coef * kl  # [b]
+                    per_sample = policy_loss + regulariser  # [b]
                     boundary = j == depth - 1 and (m + 1) % accum == 0
                     if grads.mode != "single":  # MARBLE: each reward's clipped loss on its own, the KL outside them
 
                         def policy(a, log_prob=log_prob, old=old, weight=weight):
                             return (clipped_policy_loss(log_prob, old, a, t.clip_range)[0] * weight).sum() / kept / accum
 
-                        kl_loss = t.kl_coef * (kl * weight).sum() / kept / accum if t.kl_coef > 0 else None
+                        outside = t.kl_coef > 0 or alignment is not None
+                        kl_loss = (regulariser * weight).sum() / kept / accum if outside else None
                         grads.backward(policy, per_reward[:, index], kl_loss, boundary)
                     if grads.single:
                         self.opt.backward((per_sample * weight).sum() / kept / accum, boundary=boundary)
@@ -352,6 +406,12 @@ class GRPOTrainer:
                     if self.opt.step(torch.stack(losses)) and self.ema is not None:
                         self.ema.update(self.opt.params, self.opt.optimizer_steps)
         ratio = torch.cat(stats["ratio"])
+        if alignment is not None:
+            alignment.remember(steps)  # after the step: a start's bank partners are always from earlier steps
+            tagrpo_metrics = {f"train/tagrpo_{k}": float(torch.stack(v).mean()) for k, v in align.items() if v}
+            tagrpo_metrics["train/tagrpo_bank_entries"] = float(len(self.bank))
+        else:
+            tagrpo_metrics = {}
         return {
             "train/loss": float(torch.stack(stats["loss"]).mean()),
             "train/policy_loss": float(torch.stack(stats["policy_loss"]).mean()),
@@ -363,16 +423,23 @@ class GRPOTrainer:
             "train/ratio_max": float(ratio.max()),
             **self.opt.metrics(),
             **grads.metrics(),
+            **tagrpo_metrics,
         }
 
     # ------------------------------------------------------------------------------------------ state
     def save(self):
-        return save_recipe(self, extra={"reward_gradients": self.reward_grads.state_dict()})
+        extra, groups = {"reward_gradients": self.reward_grads.state_dict()}, None
+        if self.cfg.train.tagrpo.bank_size > 0:  # TAGRPO's memory bank: its latents beside the weights
+            tensors, extra["tagrpo_bank"] = self.bank.state()
+            groups = {BANK_GROUP: tensors}
+        return save_recipe(self, groups=groups, extra=extra)
 
     def resume(self, path) -> None:
         state = resume_recipe(self, path)
         if "reward_gradients" in state:  # MARBLE's ᾱ and refresh clock
             self.reward_grads.load_state_dict(state["reward_gradients"])
+        if self.cfg.train.tagrpo.bank_size > 0:
+            self.bank.load(read_group(path, BANK_GROUP), state["tagrpo_bank"])
 
     def evaluate(self, step: int | None) -> dict | None:
         """The fixed evaluation of the current weights (EMA once an EMA update happened); None = the base model."""

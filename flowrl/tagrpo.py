@@ -1,0 +1,253 @@
+"""TAGRPO's trajectory alignment for image-to-video GRPO: intermediate latents pulled toward better group members'
+and pushed from worse ones', with a memory bank of past rollouts of the same start (docs/recipes/tagrpo.md).
+
+The paper (arXiv 2601.05729) is known here from its abstract only: the loss below is a reconstruction, behind
+`train.tagrpo.enabled` in the GRPO recipe. For a trained transition k of sample i (latent z_k^i, the policy's
+Gaussian step mean μ_θ(z_k^i) and std s_k), against the next latents z_{k+1}^j of the other members j of its group
+(same prompt, source image and initial noise) and of the bank's entries for that start:
+
+    u_j      = (r_j − mean_g r) / (std_g r + 1e-4)                   the combined reward, z-scored in the group
+    a⁺_ij    = w_j · max(u_j − u_i, 0),   a⁻_ij = w_j · max(u_i − u_j, 0)      (w_j = decay^age, 1 for the group)
+    z⁺_i     = Σ_j a⁺_ij z_{k+1}^j / Σ_j a⁺_ij,   z⁻_i likewise
+    d(z)     = mean over elements of (μ_θ(z_k^i) − z)² / (2 s_k²)
+    L_i,k    = d(z⁺_i) − λ · min(d(z⁻_i), τ)
+
+a term absent where sample i has no better (worse) partner. The recipe adds `coef · L` to each trained
+transition's clipped ratio loss with the same per-sample weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EVICTIONS = ("oldest", "smallest_advantage")
+
+
+@dataclass
+class TAGRPOConfig:
+    """Keys train.tagrpo.* of the GRPO recipe."""
+
+    enabled: bool = False
+    coef: float = 1.0
+    """Weight of the alignment loss beside the clipped ratio loss."""
+    repel: float = 0.5
+    """λ: weight of the push away from worse members' latents."""
+    repel_clip: float = 1.0
+    """τ: the push counts up to this normalised squared distance d(z⁻) (the loss is bounded below)."""
+    bank_size: int = 0
+    """Past rollouts kept per start (prompt, source image, initial noise); 0 = no memory bank. Starts recur only
+    with data.noise_pool > 0 (a fixed pool of initial noises per prompt)."""
+    bank_capacity: int = 2048
+    """Most entries (rollout x trained step) in the bank over all starts; the eviction rule drops the rest."""
+    bank_decay: float = 0.9
+    """An entry's weight per training step of age (entries from older policies count less)."""
+    eviction: str = "oldest"
+    """Which entry of a full start (or a full bank) goes: 'oldest' or 'smallest_advantage' (least |u| when stored)."""
+
+    def __post_init__(self) -> None:
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"train.tagrpo.eviction={self.eviction!r} must be one of {', '.join(EVICTIONS)}")
+        for name in ("coef", "repel", "repel_clip", "bank_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.tagrpo.{name}={getattr(self, name)} must be >= 0")
+        if not 0 <= self.bank_decay <= 1:
+            raise ValueError(f"train.tagrpo.bank_decay={self.bank_decay} must be in [0, 1]")
+        if self.bank_size > 0 and self.bank_capacity < 1:
+            raise ValueError(f"train.tagrpo.bank_capacity={self.bank_capacity} must be >= 1 with a memory bank")
+
+
+def group_scores(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean [N], std [N]) of each sample's group (population std); NaN rewards do not count."""
+    mean, std = torch.zeros_like(rewards), torch.ones_like(rewards)
+    for gid in group_ids.unique().tolist():
+        rows = group_ids == gid
+        valid = rewards[rows][~torch.isnan(rewards[rows])]
+        if len(valid):
+            mean[rows] = valid.mean()
+            std[rows] = valid.std(unbiased=False) + eps
+    return mean, std
+
+
+def pair_weights(u_i: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a⁺ [b, M], a⁻ [b, M]) from the rows' scores u_i [b], the partners' scores u [b, M] and weights w [b, M]
+    (0 = not a partner: itself, another group, a failed sample)."""
+    diff = u - u_i[:, None]
+    return w * diff.clamp(min=0), w * (-diff).clamp(min=0)
+
+
+def weighted_target(a: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ_j a_j z_j / Σ_j a_j [b, ...], has [b] bool) for weights a [b, M] over partner latents z [b, M, ...]."""
+    total = a.sum(1)  # [b]
+    has = total > 0
+    shape = (*a.shape, *([1] * (z.dim() - 2)))
+    target = (a.view(shape) * z).sum(1) / total.clamp(min=1e-12).view(-1, *([1] * (z.dim() - 2)))
+    return target, has
+
+
+def alignment_loss(
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    z_pos: torch.Tensor,
+    has_pos: torch.Tensor,
+    z_neg: torch.Tensor,
+    has_neg: torch.Tensor,
+    repel: float,
+    repel_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(L [b], d⁺ [b], d⁻ [b]) of the module docstring; mean [b, ...] carries the gradient, std broadcasts to it."""
+    dims = tuple(range(1, mean.dim()))
+    std = std.float()
+    if std.dim() == 1:  # one std per row ([b], as sde_step returns it)
+        std = std.view(-1, *([1] * (mean.dim() - 1)))
+    var2 = 2 * std**2
+    d_pos = ((mean - z_pos) ** 2 / var2).mean(dims)
+    d_neg = ((mean - z_neg) ** 2 / var2).mean(dims)
+    zero = torch.zeros_like(d_pos)
+    loss = torch.where(has_pos, d_pos, zero) - repel * torch.where(has_neg, d_neg.clamp(max=repel_clip), zero)
+    return loss, d_pos.detach(), d_neg.detach()
+
+
+class MemoryBank:
+    """Next latents z_{k+1} of past rollouts by (start key, step k), with the combined reward and the training step
+    they were drawn at; `bank_size` entries per start and step, `bank_capacity` in all."""
+
+    def __init__(self, cfg: TAGRPOConfig):
+        self.cfg = cfg
+        self.entries: dict[tuple[str, int], list[dict]] = {}  # (key, k) -> [{"z", "reward", "u", "step"}]
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.entries.values())
+
+    def _evict_one(self, items: list[dict]) -> None:
+        if self.cfg.eviction == "oldest":
+            victim = min(range(len(items)), key=lambda i: (items[i]["step"], i))
+        else:
+            victim = min(range(len(items)), key=lambda i: (abs(items[i]["u"]), items[i]["step"], i))
+        items.pop(victim)
+
+    def add(self, key: str, k: int, z: torch.Tensor, reward: float, u: float, step: int) -> None:
+        if self.cfg.bank_size == 0:
+            return
+        items = self.entries.setdefault((key, k), [])
+        items.append({"z": z.detach().float().cpu().clone(), "reward": float(reward), "u": float(u), "step": int(step)})
+        while len(items) > self.cfg.bank_size:
+            self._evict_one(items)
+        while len(self) > self.cfg.bank_capacity:  # the whole bank: evict from the slot that holds the victim
+            slots = [s for s in self.entries.values() if s]
+            if self.cfg.eviction == "oldest":
+                slot = min(slots, key=lambda s: min(e["step"] for e in s))
+            else:
+                slot = min(slots, key=lambda s: min(abs(e["u"]) for e in s))
+            self._evict_one(slot)
+        self.entries = {key: v for key, v in self.entries.items() if v}
+
+    def lookup(self, key: str, k: int, step: int) -> tuple[list[torch.Tensor], list[float], list[float]]:
+        """(latents, rewards, weights decay^age) of the entries for this start and step."""
+        items = self.entries.get((key, k), [])
+        return (
+            [e["z"] for e in items],
+            [e["reward"] for e in items],
+            [self.cfg.bank_decay ** (step - e["step"]) for e in items],
+        )
+
+    # -- checkpoint --------------------------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors for a safetensors file, json-able index) of the whole bank."""
+        flat = [(key, k, e) for (key, k), items in self.entries.items() for e in items]
+        keys = sorted({key for key, _, _ in flat})
+        tensors = {
+            "latents": torch.stack([e["z"] for _, _, e in flat]) if flat else torch.zeros(0),
+            "rewards": torch.tensor([e["reward"] for _, _, e in flat], dtype=torch.float64),
+            "u": torch.tensor([e["u"] for _, _, e in flat], dtype=torch.float64),
+            "steps": torch.tensor([e["step"] for _, _, e in flat], dtype=torch.int64),
+            "k": torch.tensor([k for _, k, _ in flat], dtype=torch.int64),
+            "key": torch.tensor([keys.index(key) for key, _, _ in flat], dtype=torch.int64),
+        }
+        return tensors, {"keys": keys}
+
+    def load(self, tensors: dict[str, torch.Tensor], index: dict) -> None:
+        self.entries = {}
+        for e in range(len(tensors["steps"])):
+            slot = self.entries.setdefault((index["keys"][int(tensors["key"][e])], int(tensors["k"][e])), [])
+            slot.append(
+                {
+                    "z": tensors["latents"][e].clone(),
+                    "reward": float(tensors["rewards"][e]),
+                    "u": float(tensors["u"][e]),
+                    "step": int(tensors["steps"][e]),
+                }
+            )
+
+
+def start_key(prompt: str, metadata: dict, latent_seed: int) -> str:
+    """The start a bank entry belongs to: prompt, source image and the seed of the initial noise."""
+    return f"{prompt}\x1f{metadata.get('image', '')}\x1f{int(latent_seed)}"
+
+
+class Alignment:
+    """The recipe's side of TAGRPO for one training step: targets of each trained (sample, step) from its group and
+    the bank, and the bank's update after the step."""
+
+    def __init__(self, cfg: TAGRPOConfig, bank: MemoryBank):
+        self.cfg, self.bank = cfg, bank
+
+    def prepare(self, rollout, rewards: torch.Tensor, usable: torch.Tensor, keys: list[str], step: int) -> None:
+        """rewards [N] (the combined training reward, NaN where failed), usable [N] bool; keys [N] start keys."""
+        self.rollout, self.keys, self.step = rollout, keys, step
+        group_ids = rollout.group_ids.cpu()
+        rewards = torch.where(usable.cpu(), rewards.cpu().double(), torch.full_like(rewards.cpu().double(), float("nan")))
+        self.mean, self.std = group_scores(rewards, group_ids)
+        self.u = ((rewards - self.mean) / self.std).nan_to_num(0.0)  # [N]
+        self.usable = usable.cpu() & ~torch.isnan(rewards)
+        self.members = [((group_ids == group_ids[i]) & self.usable).nonzero().flatten().tolist() for i in range(len(keys))]
+
+    def targets(self, index: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(z⁺ [b, ...], has⁺ [b], z⁻ [b, ...], has⁻ [b], bank partners used [b]) for rows `index` at steps `k`."""
+        pos, neg, has_pos, has_neg, from_bank = [], [], [], [], []
+        device = self.rollout.latents.device
+        for i, step_k in zip(index.tolist(), k.tolist()):
+            others = [j for j in self.members[i] if j != i]
+            z = [self.rollout.states(torch.tensor([j], device=device), step_k + 1)[0] for j in others]
+            u = [float(self.u[j]) for j in others]
+            w = [1.0] * len(others)
+            bank_z, bank_r, bank_w = self.bank.lookup(self.keys[i], step_k, self.step)
+            z += [b.to(device) for b in bank_z]
+            u += [float((r - self.mean[i]) / self.std[i]) for r in bank_r]
+            w += bank_w
+            from_bank.append(len(bank_z))
+            if not z or not self.usable[i]:
+                blank = self.rollout.states(torch.tensor([i], device=device), step_k + 1)[0]
+                pos.append(blank), neg.append(blank)
+                has_pos.append(False), has_neg.append(False)
+                continue
+            a_pos, a_neg = pair_weights(
+                self.u[i : i + 1].float(), torch.tensor([u], dtype=torch.float32), torch.tensor([w], dtype=torch.float32)
+            )
+            stack = torch.stack(z)[None].float()  # [1, M, ...]
+            zp, hp = weighted_target(a_pos.to(device), stack)
+            zn, hn = weighted_target(a_neg.to(device), stack)
+            pos.append(zp[0]), neg.append(zn[0])
+            has_pos.append(bool(hp[0])), has_neg.append(bool(hn[0]))
+        flags = {"device": device}
+        return (
+            torch.stack(pos),
+            torch.tensor(has_pos, **flags),
+            torch.stack(neg),
+            torch.tensor(has_neg, **flags),
+            torch.tensor(from_bank, dtype=torch.float32),
+        )
+
+    def remember(self, trained: list[list[int]]) -> None:
+        """Put this step's usable samples' next latents at their trained steps into the bank."""
+        if self.cfg.bank_size == 0:
+            return
+        device = self.rollout.latents.device
+        for i, steps in enumerate(trained):
+            if not self.usable[i]:
+                continue
+            reward = float(self.u[i] * self.std[i] + self.mean[i])
+            for step_k in steps:
+                z = self.rollout.states(torch.tensor([i], device=device), step_k + 1)[0]
+                self.bank.add(self.keys[i], step_k, z, reward, float(self.u[i]), self.step)

@@ -200,13 +200,42 @@ def read_group(path: str | Path, group: str) -> dict[str, torch.Tensor]:
     return _read_checkpoint_file(Path(path) / f"{group}.safetensors", lambda f: load_file(str(f)))
 
 
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """Dotted keys whose values differ between a checkpoint's config and the current one (resumable keys excluded)."""
-    from flowrl.config import flatten
+def field_default(cfg: Any, dotted: str) -> Any:
+    """The schema default of config key `dotted` ("train.tagrpo.coef") of the config object `cfg`; a sentinel where
+    the key is no dataclass field (a list entry, a component's kwargs)."""
+    import dataclasses
+
+    missing = object()
+    *path, last = dotted.split(".")
+    node = cfg
+    for part in path:
+        node = getattr(node, part, missing) if dataclasses.is_dataclass(node) else missing
+    if not dataclasses.is_dataclass(node):
+        return missing
+    for f in dataclasses.fields(node):
+        if f.name == last:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            return f.default_factory() if f.default_factory is not dataclasses.MISSING else missing
+    return missing
+
+
+def config_differences(saved: dict, current: dict, cfg: Any = None) -> list[str]:
+    """Dotted keys whose values differ between a checkpoint's config and the current one (resumable keys excluded).
+    With the current config object `cfg`, a key the checkpoint lacks (written by a flowrl before the key existed)
+    does not differ while the current value is the key's default, the behaviour the older run had."""
+    from flowrl.config import flatten, to_dict
 
     a, b = flatten(saved), flatten(current)
     keys = sorted(set(a) | set(b))
-    return [k for k in keys if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_DIFFERENCES)]
+    out = []
+    for k in keys:
+        if a.get(k) == b.get(k) or k.startswith(RESUMABLE_DIFFERENCES):
+            continue
+        if cfg is not None and k not in a and k in b and to_dict(field_default(cfg, k)) == b[k]:
+            continue
+        out.append(k)
+    return out
 
 
 def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
@@ -306,7 +335,13 @@ def save_training_state(
 
 
 def restore_training_state(
-    path: str | Path, accelerator, opt, ema, config: dict, groups: dict[str, dict[str, torch.Tensor]] | None = None
+    path: str | Path,
+    accelerator,
+    opt,
+    ema,
+    config: dict,
+    groups: dict[str, dict[str, torch.Tensor]] | None = None,
+    cfg: Any = None,
 ) -> dict:
     """Load a checkpoint into an OptimizerStep and EMA (and the recipe's tensor groups, copied into the live tensors
     of `groups` in place); returns the recipe's trainer state (step, counters).
@@ -316,7 +351,7 @@ def restore_training_state(
     from flowrl.distributed import like
 
     state = load_checkpoint(path, accelerator.process_index, tuple(groups or {}))
-    diff = config_differences(state["config"], config)
+    diff = config_differences(state["config"], config, cfg)
     if diff:
         raise ValueError(
             f"checkpoint {str(path)!r} comes from another config: keys {', '.join(diff[:6])} differ; "
@@ -371,7 +406,7 @@ def resume_recipe(recipe, path: str | Path, groups: dict[str, dict[str, torch.Te
     Returns the saved trainer state (the recipe reads its `extra` keys from it)."""
     from flowrl.config import to_dict
 
-    state = restore_training_state(path, recipe.accelerator, recipe.opt, recipe.ema, to_dict(recipe.cfg), groups)
+    state = restore_training_state(path, recipe.accelerator, recipe.opt, recipe.ema, to_dict(recipe.cfg), groups, recipe.cfg)
     recipe.step, recipe.counters = int(state["step"]), dict(state["counters"])
     if recipe.accelerator.is_main_process:
         recipe.run.forget_after(recipe.step)

@@ -26,6 +26,7 @@ REAL = {
     "z_image": "configs/z_image/grpo_pickscore.yaml",
     "qwen_image_edit": "configs/qwen_image_edit/grpo_edit.yaml",
     "wan_i2v": "configs/wan22/grpo_i2v.yaml",
+    "wan_i2v-tagrpo": "configs/wan22/tagrpo_i2v.yaml",
     "wan22_a14b": "configs/wan/grpo_video_wan22_a14b.yaml",
     "wan22_ti2v": "configs/wan/grpo_video_wan22_ti2v.yaml",
     "ltx2": "configs/ltx2/grpo_video.yaml",

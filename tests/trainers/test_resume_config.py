@@ -1,0 +1,42 @@
+"""Resuming refuses a checkpoint written with another config, but not one written before a key existed while the
+current run keeps that key's default (an upgrade of flowrl between the save and the resume)."""
+
+import pytest
+from test_trainer_contract import toy_config
+
+from flowrl.checkpoint import config_differences, field_default
+from flowrl.config import flatten, to_dict
+from flowrl.trainers import build_trainer
+
+
+def older(saved: dict, *dotted: str) -> dict:
+    """The config dict as a flowrl without the keys `dotted` would have written it."""
+    out = to_dict(saved)
+    for key in dotted:
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            node = node[part]
+        del node[last]
+    return out
+
+
+def test_a_key_new_since_the_checkpoint_at_its_default_is_no_difference(tmp_path):
+    cfg = toy_config(tmp_path, "grpo")
+    current = to_dict(cfg)
+    saved = older(cfg, "data.noise_pool", "train.tagrpo.coef")
+    assert field_default(cfg, "train.tagrpo.coef") == 1.0 and field_default(cfg, "data.noise_pool") == 0
+    assert config_differences(saved, current, cfg) == []
+    assert config_differences(saved, current) == ["data.noise_pool", "train.tagrpo.coef"]  # without the schema: strict
+    changed = toy_config(tmp_path, "grpo", **{"data.noise_pool": 2})
+    assert config_differences(saved, to_dict(changed), changed) == ["data.noise_pool"]
+    other = toy_config(tmp_path, "grpo", **{"train.learning_rate": 0.5})
+    assert config_differences(to_dict(cfg), to_dict(other), other) == ["train.learning_rate"]
+    assert "train.tagrpo.coef" in flatten(current)
+
+
+def test_resume_refuses_a_changed_key_with_a_one_line_error(tmp_path):
+    build_trainer(toy_config(tmp_path, "grpo", num_steps=1, **{"checkpoint.every_n_steps": 1})).train()
+    cfg = toy_config(tmp_path, "grpo", num_steps=2, **{"checkpoint.resume": "latest", "train.clip_range": 0.5})
+    with pytest.raises(ValueError, match="comes from another config: keys train.clip_range differ"):
+        build_trainer(cfg).train()

@@ -5,6 +5,8 @@ STAMP := $(VENV)/.flowrl-installed
 # torch and torchvision must come as this pair (the pair that imports together with open_clip here; see the README)
 TORCH := torch==2.14.1 torchvision==0.29.1
 PYTEST_ARGS ?= -q
+# two pytest-xdist workers, each test module on one worker (its module fixtures built once); XDIST= runs serially
+XDIST ?= -n 2 --dist loadfile
 
 .PHONY: demo test lint venv clean
 
@@ -21,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/flowrl demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

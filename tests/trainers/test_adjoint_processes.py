@@ -7,7 +7,8 @@ import json
 
 import pytest
 import yaml
-from test_nft_processes import grad_norms, launch, max_difference, tensors
+from launching import launch
+from test_nft_processes import grad_norms, max_difference, tensors
 
 from flowrl.trainers import build_trainer, load_config
 
@@ -65,15 +66,15 @@ FILES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,port", [("ram", 29551), ("adjoint_matching", 29552)])
-def test_two_gloo_processes_match_one_process(tmp_path, recipe, port):
+@pytest.mark.parametrize("recipe", ["ram", "adjoint_matching"])
+def test_two_gloo_processes_match_one_process(tmp_path, recipe):
     data = {**BASE, **RECIPES[recipe], "output_dir": str(tmp_path / "runs"), "checkpoint": {"every_n_steps": 0, "keep_last": 1}}
     one = tmp_path / "one.yaml"
     one.write_text(yaml.safe_dump({**data, "name": "one"}))
     build_trainer(load_config(one)).train()
     two = tmp_path / "two.yaml"
     two.write_text(yaml.safe_dump({**data, "name": "two"}))
-    launch("cpu_2proc", port, two)
+    launch("cpu_2proc", two)
     runs = tmp_path / "runs"
     assert json.loads((runs / "two" / "launch.json").read_text())["num_processes"] == 2
     norms = grad_norms(runs / "one"), grad_norms(runs / "two")

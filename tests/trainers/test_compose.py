@@ -7,13 +7,11 @@ import copy
 import itertools
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 from composition import components, row_config, trainable
+from launching import ROOT, launch_in_background
 from safetensors.torch import load_file
-from test_grpo_processes import ROOT, env
 from test_trainer_contract import assert_same
 
 from flowrl import recipes
@@ -24,7 +22,6 @@ from flowrl.trainers import TRAINERS, build_trainer
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 TOLERANCE = 1e-5  # 2 processes vs 1: batch-size-dependent float32 numerics only (the other process tests' tolerance)
-PORT = 29561
 # Open: 2 processes differ from 1 here (measured: weights by 4.2e-4, grad norm 0.002874 vs 0.002889) while every other
 # balancer on the same rollouts and trainer agrees to 1e-7 and MARBLE agrees on every other sampler: MARBLE's min-norm
 # combination on this batch moves with the float32 noise of the per-reward gradients. Listed, not hidden: the test
@@ -107,22 +104,7 @@ def training_state(trainer) -> dict:
 
 def launch_all(rows_file, out, log):
     """The 2-process launch of every row in `rows_file`, in the background (its output to the file `log`)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"),
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(PORT),
-        str(ROOT / "tests" / "trainers" / "composition.py"),
-        str(rows_file),
-        str(out),
-    ]
-    with open(log, "w") as stream:
-        return subprocess.Popen(cmd, env=env(), stdout=stream, stderr=subprocess.STDOUT)
+    return launch_in_background("cpu_2proc", ROOT / "tests" / "trainers" / "composition.py", rows_file, out, log=log)
 
 
 def covering(working: list[dict]) -> list[dict]:

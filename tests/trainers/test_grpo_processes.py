@@ -1,23 +1,21 @@
 """Real processes: SIGKILL mid-run and mid-checkpoint then resume; 2 gloo processes vs 1 (accelerate launch)."""
 
-import os
 import random
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from launching import env, launch
 from safetensors.torch import load_file
 
 from flowrl.checkpoint import FAULT_ENV
 from flowrl.trainers import load_config
 from flowrl.trainers.grpo import GRPOTrainer
 
-ROOT = Path(__file__).resolve().parents[2]
 NUM_STEPS = 4
 
 
@@ -45,10 +43,6 @@ def write_config(tmp_path, pipeline, name, **extra):
 
 def final_weights(tmp_path, name):
     return load_file(str(tmp_path / "runs" / name / "checkpoints" / f"step_{NUM_STEPS:06d}" / "trainable.safetensors"))
-
-
-def env():
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 
 
 def start(config, extra_env=None):
@@ -124,22 +118,9 @@ def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
     GRPOTrainer(load_config(one)).train()
     two = tmp_path / "two.yaml"
     two.write_text(yaml.safe_dump({**data, "name": "two"}))
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"),
-        "--main_process_port",
-        "29533",
-        str(ROOT / "scripts" / "train.py"),
-        "--config",
-        str(two),
-    ]
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stderr[-3000:]
-    launch = json.loads((tmp_path / "runs" / "two" / "launch.json").read_text())
-    assert launch["num_processes"] == 2 and launch["sharding"] == "none"
+    launch("cpu_2proc", two, timeout=500, tail=3000)
+    launched = json.loads((tmp_path / "runs" / "two" / "launch.json").read_text())
+    assert launched["num_processes"] == 2 and launched["sharding"] == "none"
 
     def grad_norms(name):
         lines = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()

@@ -7,12 +7,11 @@ parameter name) must resume in a plain process to the same weights.
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
+from launching import launch
 from safetensors.torch import load_file
-from test_grpo_processes import ROOT, env, write_config
+from test_grpo_processes import write_config
 
 from flowrl.trainers import load_config
 from flowrl.trainers.grpo import GRPOTrainer
@@ -40,29 +39,14 @@ def plain_run(tmp_path_factory, tiny_pipeline):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,port", [("fsdp", 29541), ("deepspeed_zero2", 29542)])
-def test_sharded_preset_matches_one_process_and_resumes_plain(tmp_path, plain_run, preset, port):
+@pytest.mark.parametrize("preset", ["fsdp", "deepspeed_zero2"])
+def test_sharded_preset_matches_one_process_and_resumes_plain(tmp_path, plain_run, preset):
     one, pipeline, extra = plain_run
     config = write_config(tmp_path, pipeline, "sharded", **extra)
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "configs" / "accelerate" / f"{preset}.yaml"),
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(port),
-        str(ROOT / "scripts" / "train.py"),
-        "--config",
-        str(config),
-    ]
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    launch(preset, config)
     run = tmp_path / "runs" / "sharded"
-    launch = json.loads((run / "launch.json").read_text())
-    assert launch["num_processes"] == 2 and launch["sharding"] == preset.split("_")[0], launch
+    launched = json.loads((run / "launch.json").read_text())
+    assert launched["num_processes"] == 2 and launched["sharding"] == preset.split("_")[0], launched
     # gradient norms (before clipping) agree too: Adam would hide a wrongly scaled gradient from the weights
     norms = [[json.loads(line)["train/grad_norm"] for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (one, run)]
     assert len(norms[1]) == STEPS and norms[0] == pytest.approx(norms[1], rel=1e-4), norms
@@ -99,24 +83,15 @@ TREE = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,port", [("fsdp", 29543), ("deepspeed_zero2", 29544)])
-def test_tree_rollouts_train_sharded_as_in_one_process(tmp_path, tiny_pipeline, preset, port):
+@pytest.mark.parametrize("preset", ["fsdp", "deepspeed_zero2"])
+def test_tree_rollouts_train_sharded_as_in_one_process(tmp_path, tiny_pipeline, preset):
     """A tree's leaves own different numbers of its edges (2, 1, 2, 1 here), yet every process (one tree each) runs
     the same backward calls, so FSDP2 / ZeRO-2 train trees as one plain process with both trees does."""
     extra = {"num_steps": STEPS, "checkpoint": {"every_n_steps": 1, "keep_last": 2}, **TREE}
     plain = write_config(tmp_path, tiny_pipeline("sd3"), "one", **extra)
     GRPOTrainer(load_config(plain)).train()
     config = write_config(tmp_path, tiny_pipeline("sd3"), "sharded", **extra)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    cmd += [str(ROOT / "configs" / "accelerate" / f"{preset}.yaml"), "--num_processes", "2", "--main_process_port", str(port)]
-    done = subprocess.run(
-        [*cmd, str(ROOT / "scripts" / "train.py"), "--config", str(config)],
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    launch(preset, config)
     one, run = tmp_path / "runs" / "one", tmp_path / "runs" / "sharded"
     assert json.loads((run / "launch.json").read_text())["sharding"] == preset.split("_")[0]
     norms = [[json.loads(line)["train/grad_norm"] for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (one, run)]

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import yaml
-from test_nft_processes import launch
+from launching import launch
 from test_nft_trainer import PROMPTS, RedPixelsReward, measured_red, nft_config
 
 from flowrl.balancers import MarbleBalancer
@@ -195,7 +195,7 @@ def test_alpha_of_two_gloo_processes_equals_one_process(tmp_path):
     for name in ("one", "two"):
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**TOY, "name": name, "output_dir": str(tmp_path / "runs")}))
     build_trainer(build_config(yaml.safe_load((tmp_path / "one.yaml").read_text()))).train()
-    launch("cpu_2proc", 29561, tmp_path / "two.yaml")
+    launch("cpu_2proc", tmp_path / "two.yaml")
     runs = tmp_path / "runs"
     assert json.loads((runs / "two" / "launch.json").read_text())["num_processes"] == 2
     one, two = alphas(runs / "one"), alphas(runs / "two")

@@ -4,13 +4,12 @@ checkpoints that resume in one plain process to the same weights."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import yaml
+from launching import launch
 from safetensors.torch import load_file
-from test_grpo_processes import ROOT, env, write_config
+from test_grpo_processes import write_config
 
 from flowrl.trainers import build_trainer, load_config
 
@@ -45,25 +44,6 @@ def grad_norms(run_dir):
     return [json.loads(line)["train/grad_norm"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def launch(preset, port, config, num_processes=2):
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "configs" / "accelerate" / f"{preset}.yaml"),
-        "--num_processes",
-        str(num_processes),
-        "--main_process_port",
-        str(port),
-        str(ROOT / "scripts" / "train.py"),
-        "--config",
-        str(config),
-    ]
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-
-
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory, tiny_pipeline):
     tmp = tmp_path_factory.mktemp("nft_plain")
@@ -86,7 +66,7 @@ def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
     build_trainer(load_config(one)).train()
     two = tmp_path / "two.yaml"
     two.write_text(yaml.safe_dump({**yaml.safe_load(one.read_text()), "name": "two"}))
-    launch("cpu_2proc", 29543, two)
+    launch("cpu_2proc", two)
     runs = tmp_path / "runs"
     assert json.loads((runs / "two" / "launch.json").read_text())["num_processes"] == 2
     norms = grad_norms(runs / "one"), grad_norms(runs / "two")
@@ -97,11 +77,11 @@ def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,port", [("fsdp", 29544), ("deepspeed_zero2", 29545)])
-def test_sharded_preset_matches_one_process_and_resumes_plain(tmp_path, plain_run, preset, port):
+@pytest.mark.parametrize("preset", ["fsdp", "deepspeed_zero2"])
+def test_sharded_preset_matches_one_process_and_resumes_plain(tmp_path, plain_run, preset):
     one, pipeline, extra = plain_run
     config = write_config(tmp_path, pipeline, "sharded", **extra)
-    launch(preset, port, config)
+    launch(preset, config)
     run = tmp_path / "runs" / "sharded"
     assert json.loads((run / "launch.json").read_text())["sharding"] == preset.split("_")[0]
     assert grad_norms(one) == pytest.approx(grad_norms(run), rel=1e-4)

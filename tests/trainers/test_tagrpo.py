@@ -143,7 +143,14 @@ def test_the_alignment_loss_moves_the_step_mean_toward_better_members(tmp_path):
     cfg = toy_config(
         tmp_path,
         "grpo",
-        **{**TAGRPO, "train.learning_rate": 1e-2, "train.num_inner_epochs": 4, "train.tagrpo.repel": 0.0, "data.group_size": 4},
+        **{
+            **TAGRPO,
+            "train.learning_rate": 1e-2,
+            "train.num_inner_epochs": 4,
+            "train.tagrpo.coef": 1.0,
+            "train.tagrpo.repel": 0.0,
+            "data.group_size": 4,
+        },
     )
     trainer = build_trainer(cfg)
     batch = trainer.prompt_sampler.local_batch(0, 0, 1)

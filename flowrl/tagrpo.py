@@ -4,13 +4,15 @@ and pushed from worse ones', with a memory bank of past rollouts of the same sta
 The paper (arXiv 2601.05729) is known here from its abstract only: the loss below is a reconstruction, behind
 `train.tagrpo.enabled` in the GRPO recipe. For a trained transition k of sample i (latent z_k^i, the policy's
 Gaussian step mean μ_θ(z_k^i) and std s_k), against the next latents z_{k+1}^j of the other members j of its group
-(same prompt, source image and initial noise) and of the bank's entries for that start:
+(same prompt, source image and initial noise) whose transition k was stochastic too, and of the bank's entries for
+that start:
 
     u_j      = (r_j − mean_g r) / (std_g r + 1e-4)                   the combined reward, z-scored in the group
     a⁺_ij    = w_j · max(u_j − u_i, 0),   a⁻_ij = w_j · max(u_i − u_j, 0)      (w_j = decay^age, 1 for the group)
     z⁺_i     = Σ_j a⁺_ij z_{k+1}^j / Σ_j a⁺_ij,   z⁻_i likewise
     d(z)     = mean over elements of (μ_θ(z_k^i) − z)² / (2 s_k²)
-    L_i,k    = d(z⁺_i) − λ · min(d(z⁻_i), τ)
+    L_i,k    = d(z⁺_i) − λ · min(d(z⁻_i), τ)              (distance 'gaussian', the default)
+             = log d(z⁺_i) − λ · log min(d(z⁻_i), τ)      (distance 'log': scale-free)
 
 a term absent where sample i has no better (worse) partner. The recipe adds `coef · L` to each trained
 transition's clipped ratio loss with the same per-sample weight.
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 EVICTIONS = ("oldest", "smallest_advantage")
+DISTANCES = ("log", "gaussian")
 
 
 @dataclass
@@ -37,6 +40,9 @@ class TAGRPOConfig:
     """λ: weight of the push away from worse members' latents."""
     repel_clip: float = 1.0
     """τ: the push counts up to this normalised squared distance d(z⁻) (the loss is bounded below)."""
+    distance: str = "gaussian"
+    """'gaussian': L = d(z⁺) − λ min(d(z⁻), τ); 'log': L = log d(z⁺) − λ log min(d(z⁻), τ), scale-free (a far
+    partner pulls no harder than a near one), but 1/d larger near the noise floor (it collapsed the toy sooner)."""
     bank_size: int = 0
     """Past rollouts kept per start (prompt, source image, initial noise); 0 = no memory bank. Starts recur only
     with data.noise_pool > 0 (a fixed pool of initial noises per prompt)."""
@@ -48,6 +54,8 @@ class TAGRPOConfig:
     """Which entry of a full start (or a full bank) goes: 'oldest' or 'smallest_advantage' (least |u| when stored)."""
 
     def __post_init__(self) -> None:
+        if self.distance not in DISTANCES:
+            raise ValueError(f"train.tagrpo.distance={self.distance!r} must be one of {', '.join(DISTANCES)}")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"train.tagrpo.eviction={self.eviction!r} must be one of {', '.join(EVICTIONS)}")
         for name in ("coef", "repel", "repel_clip", "bank_size"):
@@ -96,8 +104,10 @@ def alignment_loss(
     has_neg: torch.Tensor,
     repel: float,
     repel_clip: float,
+    distance: str = "gaussian",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(L [b], d⁺ [b], d⁻ [b]) of the module docstring; mean [b, ...] carries the gradient, std broadcasts to it."""
+    """(L [b], d⁺ [b], d⁻ [b]) of the module docstring ('gaussian'), or with `distance='log'` the same terms through
+    log; mean [b, ...] carries the gradient, std broadcasts to it."""
     dims = tuple(range(1, mean.dim()))
     std = std.float()
     if std.dim() == 1:  # one std per row ([b], as sde_step returns it)
@@ -106,7 +116,11 @@ def alignment_loss(
     d_pos = ((mean - z_pos) ** 2 / var2).mean(dims)
     d_neg = ((mean - z_neg) ** 2 / var2).mean(dims)
     zero = torch.zeros_like(d_pos)
-    loss = torch.where(has_pos, d_pos, zero) - repel * torch.where(has_neg, d_neg.clamp(max=repel_clip), zero)
+    attract, push = d_pos, d_neg.clamp(max=repel_clip)
+    if distance == "log":
+        tiny = torch.finfo(d_pos.dtype).tiny
+        attract, push = attract.clamp(min=tiny).log(), push.clamp(min=tiny).log()
+    loss = torch.where(has_pos, attract, zero) - repel * torch.where(has_neg, push, zero)
     return loss, d_pos.detach(), d_neg.detach()
 
 
@@ -203,13 +217,16 @@ class Alignment:
         self.u = ((rewards - self.mean) / self.std).nan_to_num(0.0)  # [N]
         self.usable = usable.cpu() & ~torch.isnan(rewards)
         self.members = [((group_ids == group_ids[i]) & self.usable).nonzero().flatten().tolist() for i in range(len(keys))]
+        # a partner's next latent counts only where its own transition k was stochastic, as the trained one is: an
+        # ODE step's next latent lacks the SDE mean's correction, and pulling toward it bends the velocity
+        self.stochastic = {(int(j), int(k)) for j, k in rollout.transitions.tolist()}
 
     def targets(self, index: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(z⁺ [b, ...], has⁺ [b], z⁻ [b, ...], has⁻ [b], bank partners used [b]) for rows `index` at steps `k`."""
         pos, neg, has_pos, has_neg, from_bank = [], [], [], [], []
         device = self.rollout.latents.device
         for i, step_k in zip(index.tolist(), k.tolist()):
-            others = [j for j in self.members[i] if j != i]
+            others = [j for j in self.members[i] if j != i and (j, step_k) in self.stochastic]
             z = [self.rollout.states(torch.tensor([j], device=device), step_k + 1)[0] for j in others]
             u = [float(self.u[j]) for j in others]
             w = [1.0] * len(others)

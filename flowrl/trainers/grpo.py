@@ -374,7 +374,9 @@ class GRPOTrainer:
                     if alignment is not None:  # TAGRPO: the step mean pulled toward better members' next latents
                         _, _, mean, std = rollout.rule.step(v, x, sigma, sigma_next, level, prev_sample=x_next, std_scale=scale)
                         z_pos, has_pos, z_neg, has_neg, partners = alignment.targets(index, k)
-                        ta_loss, d_pos, d_neg = alignment_loss(mean, std, z_pos, has_pos, z_neg, has_neg, ta.repel, ta.repel_clip)
+                        ta_loss, d_pos, d_neg = alignment_loss(
+                            mean, std, z_pos, has_pos, z_neg, has_neg, ta.repel, ta.repel_clip, ta.distance
+                        )
                         regulariser = regulariser + ta.coef * ta_loss
                         align["loss"].append(ta_loss.detach().mean())
                         align["attract"].append(d_pos[has_pos].mean() if has_pos.any() else d_pos.new_zeros(()))

@@ -16,9 +16,12 @@ from flowrl.types import Rollout
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 
-def hand_rollout(rewards_groups):
-    """A real Rollout of len(groups) samples, T = 2, latents [N, 3, 1, 2, 2] of distinct values."""
+def hand_rollout(rewards_groups, transitions=None):
+    """A real Rollout of len(groups) samples, T = 2, latents [N, 3, 1, 2, 2] of distinct values; every transition
+    stochastic unless `transitions` [M, 2] names the stochastic (sample, step) pairs."""
     n = len(rewards_groups)
+    if transitions is None:
+        transitions = torch.tensor([(i, k) for i in range(n) for k in range(2)])
     latents = torch.arange(n * 3 * 4, dtype=torch.float32).view(n, 3, 1, 2, 2) / 7.0
     return Rollout(
         latents=latents,
@@ -30,6 +33,7 @@ def hand_rollout(rewards_groups):
         cond={},
         noise_levels=torch.ones(n, 2),
         rule=StepRule(),
+        transitions=transitions,
     )
 
 
@@ -47,6 +51,17 @@ def test_targets_are_the_hand_computed_weighted_means_of_better_and_worse_member
     torch.testing.assert_close(z_neg[1], z[0])
     torch.testing.assert_close(z_neg[2], (3 * z[0] + 2 * z[1]) / 5)
     assert bank.tolist() == [0, 0, 0, 0]
+
+
+def test_a_member_whose_step_was_deterministic_is_no_partner_there():
+    # member 1 took an ODE step at k = 1 (its window was elsewhere): only member 2 is a better partner of row 0 there
+    table = torch.tensor([(0, 0), (0, 1), (1, 0), (2, 0), (2, 1)])
+    rollout = hand_rollout([(1.0, 0), (2.0, 0), (4.0, 0)], table)
+    align = Alignment(TAGRPOConfig(enabled=True), MemoryBank(TAGRPOConfig()))
+    align.prepare(rollout, torch.tensor([1.0, 2.0, 4.0]), torch.ones(3, dtype=torch.bool), ["a"] * 3, step=0)
+    z_pos, _, _, _, _ = align.targets(torch.tensor([0, 0]), torch.tensor([1, 0]))
+    torch.testing.assert_close(z_pos[0], rollout.latents[2, 2])
+    torch.testing.assert_close(z_pos[1], (1 * rollout.latents[1, 1] + 3 * rollout.latents[2, 1]) / 4)
 
 
 def test_a_failed_member_is_no_partner():
@@ -75,6 +90,23 @@ def test_loss_and_its_clip_by_hand():
     torch.testing.assert_close(grad, torch.tensor([[2.0, 4.0]]))  # past τ the push has no gradient
     none, _, _ = alignment_loss(mean, std, z_pos, ~yes, z_neg, ~yes, repel=0.5, repel_clip=2.0)
     assert float(none.detach()) == 0.0
+
+
+def test_log_distance_by_hand():
+    mean = torch.tensor([[1.0, 2.0]], requires_grad=True)
+    std, yes = torch.tensor([0.5]), torch.tensor([True])
+    z_pos, z_neg = torch.tensor([[0.0, 0.0]]), torch.tensor([[1.0, 1.0]])
+    # d⁺ = 5, d⁻ = 1 as above: L = log 5 − 0.5 · log 1; ∂ log d / ∂μ = (∂d / ∂μ) / d
+    loss, _, _ = alignment_loss(mean, std, z_pos, yes, z_neg, yes, repel=0.5, repel_clip=2.0, distance="log")
+    assert math.isclose(float(loss.detach()), math.log(5.0), rel_tol=1e-6)
+    (grad,) = torch.autograd.grad(loss.sum(), mean)
+    torch.testing.assert_close(grad, torch.tensor([[2.0, 4.0]]) / 5 - 0.5 * torch.tensor([[0.0, 2.0]]) / 1)
+    clipped, _, _ = alignment_loss(mean, std, z_pos, yes, z_neg, yes, repel=0.5, repel_clip=0.8, distance="log")
+    assert math.isclose(float(clipped.detach()), math.log(5.0) - 0.5 * math.log(0.8), rel_tol=1e-6)
+    (grad,) = torch.autograd.grad(clipped.sum(), mean)
+    torch.testing.assert_close(grad, torch.tensor([[2.0, 4.0]]) / 5)
+    with pytest.raises(ValueError, match="train.tagrpo.distance"):
+        TAGRPOConfig(distance="l1")
 
 
 def test_bank_evicts_by_rule_and_weights_entries_by_age():

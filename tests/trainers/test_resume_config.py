@@ -6,6 +6,7 @@ from test_trainer_contract import toy_config
 
 from flowrl.checkpoint import config_differences, field_default
 from flowrl.config import flatten, to_dict
+from flowrl.tagrpo import TAGRPOConfig
 from flowrl.trainers import build_trainer
 
 
@@ -25,7 +26,7 @@ def test_a_key_new_since_the_checkpoint_at_its_default_is_no_difference(tmp_path
     cfg = toy_config(tmp_path, "grpo")
     current = to_dict(cfg)
     saved = older(cfg, "data.noise_pool", "train.tagrpo.coef")
-    assert field_default(cfg, "train.tagrpo.coef") == 1.0 and field_default(cfg, "data.noise_pool") == 0
+    assert field_default(cfg, "train.tagrpo.coef") == TAGRPOConfig().coef and field_default(cfg, "data.noise_pool") == 0
     assert config_differences(saved, current, cfg) == []
     assert config_differences(saved, current) == ["data.noise_pool", "train.tagrpo.coef"]  # without the schema: strict
     changed = toy_config(tmp_path, "grpo", **{"data.noise_pool": 2})

@@ -227,7 +227,7 @@ class Alignment:
         device = self.rollout.latents.device
         for i, step_k in zip(index.tolist(), k.tolist()):
             others = [j for j in self.members[i] if j != i and (j, step_k) in self.stochastic]
-            z = [self.rollout.states(torch.tensor([j], device=device), step_k + 1)[0] for j in others]
+            z = list(self.rollout.states(torch.tensor(others, device=device), step_k + 1)) if others else []
             u = [float(self.u[j]) for j in others]
             w = [1.0] * len(others)
             bank_z, bank_r, bank_w = self.bank.lookup(self.keys[i], step_k, self.step)

@@ -67,7 +67,7 @@ def _stack(scores: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.stack([scores[name].float() for name in scores])  # [K, M]
 
 
-def _weighted_total(scores: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
+def weighted_total(scores: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
     """R_i = Σ_k w_k r_{k,i} over the rewards that apply to sample i; NaN where none does. [M]"""
     _require(scores)
     stacked = torch.stack([scores[name].float() * weights.get(name, 1.0) for name in scores])  # [K, M]
@@ -117,7 +117,7 @@ class WeightedSumBalancer:
         return frozenset()
 
     def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:
-        total = _weighted_total(scores, weights)
+        total = weighted_total(scores, weights)
         advantages = group_advantages(
             total, group_ids, std=self.std, eps=self.eps, unbiased=self.use_unbiased_std, clip=self.clip
         )
@@ -325,7 +325,7 @@ class TailBalancer:
         return frozenset()
 
     def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:
-        total = _weighted_total(scores, weights)
+        total = weighted_total(scores, weights)
         advantages = tail_advantages(total, group_ids).clamp(-self.clip, self.clip)
         return Balance(advantages, _all_true(total.numel()), None, _total_metrics(total, group_ids))
 

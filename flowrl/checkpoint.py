@@ -335,13 +335,7 @@ def save_training_state(
 
 
 def restore_training_state(
-    path: str | Path,
-    accelerator,
-    opt,
-    ema,
-    config: dict,
-    groups: dict[str, dict[str, torch.Tensor]] | None = None,
-    cfg: Any = None,
+    path: str | Path, accelerator, opt, ema, cfg: Any, groups: dict[str, dict[str, torch.Tensor]] | None = None
 ) -> dict:
     """Load a checkpoint into an OptimizerStep and EMA (and the recipe's tensor groups, copied into the live tensors
     of `groups` in place); returns the recipe's trainer state (step, counters).
@@ -351,7 +345,9 @@ def restore_training_state(
     from flowrl.distributed import like
 
     state = load_checkpoint(path, accelerator.process_index, tuple(groups or {}))
-    diff = config_differences(state["config"], config, cfg)
+    from flowrl.config import to_dict
+
+    diff = config_differences(state["config"], to_dict(cfg), cfg)
     if diff:
         raise ValueError(
             f"checkpoint {str(path)!r} comes from another config: keys {', '.join(diff[:6])} differ; "
@@ -404,9 +400,8 @@ def save_recipe(recipe, groups: dict[str, dict[str, torch.Tensor]] | None = None
 def resume_recipe(recipe, path: str | Path, groups: dict[str, dict[str, torch.Tensor]] | None = None) -> dict:
     """Restore what `save_recipe` wrote into a recipe object: its step and counters, and later metrics forgotten.
     Returns the saved trainer state (the recipe reads its `extra` keys from it)."""
-    from flowrl.config import to_dict
 
-    state = restore_training_state(path, recipe.accelerator, recipe.opt, recipe.ema, to_dict(recipe.cfg), groups, recipe.cfg)
+    state = restore_training_state(path, recipe.accelerator, recipe.opt, recipe.ema, recipe.cfg, groups)
     recipe.step, recipe.counters = int(state["step"]), dict(state["counters"])
     if recipe.accelerator.is_main_process:
         recipe.run.forget_after(recipe.step)

@@ -48,9 +48,9 @@ def heldout_scores(model, num_seeds: int, num_steps: int, guidance_scale: float,
     seeds = [10_000 + i * 100 + k for i in range(len(base)) for k in range(num_seeds)]
     metadata = None
     if conditioning_kind(model) == "image":
-        from flowrl.toy.sources import source_path
+        from flowrl.toy.sources import source_records
 
-        metadata = [{"image": source_path(p)} for p in prompts]
+        metadata = source_records(prompts)
     images = sample_images(model, prompts, seeds, num_steps, guidance_scale, metadata=metadata)
     exact = exact_accuracy(images, prompts)
     judge = judge_accuracy(load_judge("attributes", judge_checkpoint), images, prompts)

@@ -15,7 +15,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_SUFFIXES = (".gif", ".mp4", ".webm", ".mov")
 
 
-def _to_tensor(image: Image.Image) -> torch.Tensor:
+def pil_to_tensor(image: Image.Image) -> torch.Tensor:
+    """A PIL image as [3, H, W] float32 RGB in [0, 1]."""
     array = np.asarray(image.convert("RGB"), dtype=np.uint8)  # [H, W, 3]
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255.0  # [3, H, W]
 
@@ -28,7 +29,7 @@ def load_image(path: str) -> torch.Tensor:
         raise FileNotFoundError(f"image file {path!r} does not exist; pass an existing PNG or JPEG")
     try:
         with Image.open(path) as image:
-            return _to_tensor(image)
+            return pil_to_tensor(image)
     except OSError as err:  # PIL.UnidentifiedImageError (not an image), a truncated or unsupported file
         raise ValueError(
             f"image file {path!r} is not a readable image ({' '.join(str(err).split())}); "
@@ -63,7 +64,7 @@ def load_video(path: str) -> torch.Tensor:
         raise FileNotFoundError(f"video {path!r} does not exist; pass a GIF/MP4 file or a folder of frames")
     if path.lower().endswith(".gif"):
         with Image.open(path) as gif:
-            return torch.stack([_to_tensor(frame) for frame in ImageSequence.Iterator(gif)])  # [F, 3, H, W]
+            return torch.stack([pil_to_tensor(frame) for frame in ImageSequence.Iterator(gif)])  # [F, 3, H, W]
     if path.lower().endswith(VIDEO_SUFFIXES):
         import imageio.v3 as iio
 
@@ -111,7 +112,7 @@ def encode_pngs(images: torch.Tensor) -> list[bytes]:
 def decode_png(data: bytes) -> torch.Tensor:
     """PNG bytes -> [3, H, W] float32 in [0, 1]."""
     with Image.open(io.BytesIO(data)) as image:
-        return _to_tensor(image)
+        return pil_to_tensor(image)
 
 
 def save_image(image: torch.Tensor, path: str) -> str:

@@ -66,9 +66,9 @@ def load_prompt_records(
     if not out:
         raise ValueError(f"{where}: the prompt list is empty; add at least one prompt")
     if toy_sources:
-        from flowrl.toy.sources import source_path
+        from flowrl.toy.sources import source_records
 
-        return out, [{"image": source_path(p)} for p in out]
+        return out, source_records(out)
     return out, [{} for _ in out]
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flowrl.advantages import group_mean_std
+
 EVICTIONS = ("oldest", "smallest_advantage")
 DISTANCES = ("log", "gaussian")
 
@@ -65,18 +67,6 @@ class TAGRPOConfig:
             raise ValueError(f"train.tagrpo.bank_decay={self.bank_decay} must be in [0, 1]")
         if self.bank_size > 0 and self.bank_capacity < 1:
             raise ValueError(f"train.tagrpo.bank_capacity={self.bank_capacity} must be >= 1 with a memory bank")
-
-
-def group_scores(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean [N], std [N]) of each sample's group (population std); NaN rewards do not count."""
-    mean, std = torch.zeros_like(rewards), torch.ones_like(rewards)
-    for gid in group_ids.unique().tolist():
-        rows = group_ids == gid
-        valid = rewards[rows][~torch.isnan(rewards[rows])]
-        if len(valid):
-            mean[rows] = valid.mean()
-            std[rows] = valid.std(unbiased=False) + eps
-    return mean, std
 
 
 def pair_weights(u_i: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,8 +202,10 @@ class Alignment:
         """rewards [N] (the combined training reward, NaN where failed), usable [N] bool; keys [N] start keys."""
         self.rollout, self.keys, self.step = rollout, keys, step
         group_ids = rollout.group_ids.cpu()
-        rewards = torch.where(usable.cpu(), rewards.cpu().double(), torch.full_like(rewards.cpu().double(), float("nan")))
-        self.mean, self.std = group_scores(rewards, group_ids)
+        rewards = torch.where(usable.cpu(), rewards.cpu().float(), torch.full_like(rewards.cpu().float(), float("nan")))
+        self.rewards = rewards  # [N], NaN where not usable
+        self.mean, std = group_mean_std(rewards, group_ids)  # population std over each group's usable samples
+        self.std = std + 1e-4
         self.u = ((rewards - self.mean) / self.std).nan_to_num(0.0)  # [N]
         self.usable = usable.cpu() & ~torch.isnan(rewards)
         self.members = [((group_ids == group_ids[i]) & self.usable).nonzero().flatten().tolist() for i in range(len(keys))]
@@ -248,12 +240,11 @@ class Alignment:
             zn, hn = weighted_target(a_neg.to(device), stack)
             pos.append(zp[0]), neg.append(zn[0])
             has_pos.append(bool(hp[0])), has_neg.append(bool(hn[0]))
-        flags = {"device": device}
         return (
             torch.stack(pos),
-            torch.tensor(has_pos, **flags),
+            torch.tensor(has_pos, device=device),
             torch.stack(neg),
-            torch.tensor(has_neg, **flags),
+            torch.tensor(has_neg, device=device),
             torch.tensor(from_bank, dtype=torch.float32),
         )
 
@@ -265,7 +256,6 @@ class Alignment:
         for i, steps in enumerate(trained):
             if not self.usable[i]:
                 continue
-            reward = float(self.u[i] * self.std[i] + self.mean[i])
             for step_k in steps:
                 z = self.rollout.states(torch.tensor([i], device=device), step_k + 1)[0]
-                self.bank.add(self.keys[i], step_k, z, reward, float(self.u[i]), self.step)
+                self.bank.add(self.keys[i], step_k, z, float(self.rewards[i]), float(self.u[i]), self.step)

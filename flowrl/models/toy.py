@@ -190,7 +190,9 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
             image = source_image(path, height, width)  # the shared aspect check and one-line file errors
             if image.size != (width, height):
                 image = image.resize((width, height), Image.Resampling.BICUBIC)
-            pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)  # [3, H, W] in [0, 1]
+            from flowrl.media import pil_to_tensor
+
+            pixels = pil_to_tensor(image)  # [3, H, W] in [0, 1]
             self._source_cache[key] = (pixels * 2.0 - 1.0).to(self.device)
         return self._source_cache[key]
 

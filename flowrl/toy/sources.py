@@ -38,15 +38,20 @@ def source_path(prompt: str) -> str:
     path = folder / f"{spec.prompt.replace(' ', '_')}_{seed:08x}.png"
     if path.is_file():
         return str(path)
-    from torchvision.utils import save_image
+    from flowrl.media import save_image
 
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=folder)
     os.close(fd)
     try:
-        save_image(render(spec, seed), tmp, format="png")
+        save_image(render(spec, seed), tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
     return str(path)
+
+
+def source_records(prompts: list[str]) -> list[dict[str, str]]:
+    """Prompt records [{"image": source path}] of toy prompts, for metadata."""
+    return [{"image": source_path(p)} for p in prompts]

@@ -31,6 +31,7 @@ import torch
 from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.advantages import FUSIONS, WIDTH_PRUNINGS, tree_edge_advantages
+from flowrl.balancers import weighted_total
 from flowrl.checkpoint import read_group, resume_recipe, save_recipe
 from flowrl.config import RunConfig
 from flowrl.distributed import Sharding, kept_per_process, make_accelerator
@@ -308,7 +309,7 @@ class GRPOTrainer:
     def _alignment(self, rollout: Rollout, batch, local, keep: torch.Tensor) -> Alignment:
         """TAGRPO's targets for this step: the combined training reward of every local sample (whole groups), its
         start key (prompt, source image, shared initial-noise seed) and the bank."""
-        combined = sum(self.weights[name] * scores for name, scores in local.scores.items())  # [N], NaN where failed
+        combined = weighted_total(local.scores, self.weights)  # [N] Σ_k w_k r_k, NaN where no reward applies
         latent_seeds = batch.group_seeds if batch.group_seeds is not None else batch.seeds
         keys = [start_key(p, m, s) for p, m, s in zip(batch.prompts, batch.metadata, latent_seeds.tolist())]
         alignment = Alignment(self.cfg.train.tagrpo, self.bank)

@@ -161,7 +161,8 @@ def bench_balancers(
     eval_num_steps: int | None = None,
     timing_steps: int = 6,
 ) -> dict:
-    """Run every balancer (and single-reward NFT) on every seed; returns (and writes after each run) the JSON."""
+    """Run every balancer (and single-reward NFT) on every seed; returns (and writes after each run) the JSON.
+    `timing_steps=0` skips the side-by-side timing (a part to `merge_balancers` with one that has it)."""
     import platform
 
     import torch
@@ -175,7 +176,7 @@ def bench_balancers(
     with tempfile.TemporaryDirectory() as root:  # a bad override fails before any run
         load_config(TOY_CONFIGS / "multireward_marble.yaml", [*_fixed(root, "check", 0), *overrides])
     runs: dict[str, dict[int, dict]] = {}
-    settings = {"seeds": list(seeds), "heldout_seeds": num_seeds, "timing_steps": timing_steps}
+    settings = {"seeds": list(seeds), "heldout_seeds": num_seeds, "eval_num_steps": eval_num_steps}
     host = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform()}
     result: dict = {}
     for name in [SINGLE, *names]:
@@ -185,7 +186,7 @@ def bench_balancers(
             result = balancers_result(runs, None, overrides, settings, host)
             if out_json is not None:
                 _write_json(result, Path(out_json))
-    timing = side_by_side(overrides, timing_steps)
+    timing = side_by_side(overrides, timing_steps) if timing_steps > 0 else None
     result = balancers_result(runs, timing, overrides, settings, host)
     if out_json is not None:
         _write_json(result, Path(out_json))
@@ -223,3 +224,42 @@ def balancers_result(runs: dict, timing: dict | None, overrides: list[str], sett
         "settings": settings,
         "host": host,
     }
+
+
+def merge_balancers(paths: list[str | Path], out_json: str | Path | None = None) -> dict:
+    """One bench from parts run apart (e.g. a process per seed): their runs pooled. The parts must agree on the
+    overrides and the held-out evaluation, repeat no (balancer, seed) run, and at most one may carry the
+    side-by-side timing (run the others with --timing-steps 0)."""
+    import json
+
+    if len(paths) < 2:
+        raise ValueError(f"--merge names {len(paths)} file(s); name at least two balancer JSONs, e.g. --merge s0.json s1.json")
+    runs: dict[str, dict[int, dict]] = {}
+    first, timing, timed_by = None, None, None
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        same = {k: v for k, v in part["settings"].items() if k != "seeds"}, part["overrides"]
+        if first is None:
+            first, host = same, part["host"]
+        elif same != first:
+            raise ValueError(
+                f"{path}: its settings or overrides {same} differ from {paths[0]}'s {first}; merge like benches only"
+            )
+        if part["side_by_side_step_s"] is not None:
+            if timing is not None:
+                raise ValueError(
+                    f"{path} and {timed_by} both carry a side-by-side timing; run all parts but one with --timing-steps 0"
+                )
+            timing, timed_by = part["side_by_side_step_s"], path
+        for name, by_seed in part["runs"].items():
+            for seed, run in by_seed.items():
+                if int(seed) in runs.get(name, {}):
+                    raise ValueError(f"{path}: {name} seed {seed} is in two of the files; merge each run once")
+                runs.setdefault(name, {})[int(seed)] = run
+    order = [n for n in [SINGLE, *BALANCER_RUNS] if n in runs]
+    runs = {name: dict(sorted(runs[name].items())) for name in order}
+    seeds = sorted({seed for by_seed in runs.values() for seed in by_seed})
+    result = balancers_result(runs, timing, first[1], {**first[0], "seeds": seeds}, host)
+    if out_json is not None:
+        _write_json(result, Path(out_json))
+    return result

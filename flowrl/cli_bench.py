@@ -62,7 +62,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--balancers", default=None, help="comma-separated, e.g. weighted_sum,marble (default: all)")
     q.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default: 0,1,2)")
     q.add_argument("--heldout-seeds", default="4", help="seeds per held-out prompt (default: 4)")
-    q.add_argument("--timing-steps", default="6", help="interleaved steps of the side-by-side timing (default: 6)")
+    q.add_argument("--timing-steps", default="6", help="interleaved steps of the side-by-side timing (default: 6; 0: none)")
+    q.add_argument("--merge", nargs="+", default=None, help="balancer JSONs run apart (e.g. a seed each) -> one at --json")
     q.add_argument("overrides", nargs="*", help="key.path=value overrides for every run, e.g. num_steps=10")
 
 
@@ -105,8 +106,16 @@ def _run_bench(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
         return 0
+    if args.what == "balancers" and args.merge:
+        from flowrl.bench_balancers import merge_balancers
+
+        result = merge_balancers(args.merge, args.json)
+        print(f"wrote {args.json}: marble_step_ratio {result['marble_step_ratio']}")
+        return 0
     if args.what == "balancers":
         from flowrl.bench_balancers import bench_balancers
+
+        timing_steps = args.timing_steps.strip()
 
         result = bench_balancers(
             balancers=None if args.balancers is None else [name.strip() for name in args.balancers.split(",")],
@@ -114,7 +123,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             overrides=args.overrides,
             out_json=args.json,
             num_seeds=_positive_int("--heldout-seeds", args.heldout_seeds),
-            timing_steps=_positive_int("--timing-steps", args.timing_steps),
+            timing_steps=0 if timing_steps == "0" else _positive_int("--timing-steps", timing_steps),
         )
         print(f"wrote {args.json}: marble_step_ratio {result['marble_step_ratio']}")
         return 0

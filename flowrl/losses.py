@@ -30,6 +30,32 @@ def clipped_policy_loss(
     return loss, stats
 
 
+def ais_mixture(log_weights: torch.Tensor, max_weight: float, reduce=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Adaptive importance sampling of transitions drawn by a behaviour policy q (a preview) for a policy p
+    (docs/math.md#adaptive-importance-sampling). log_weights [n] = log p − log q of the batch's trained transitions.
+
+    w = exp(log_weights); w̃ = min(w / mean(w), max_weight) (self-normalised, truncated); diagnostics: reliability
+    ESS = (Σw)² / (n·Σw²), divergence KL̂ = mean(w − 1 − log w) (an estimate of KL(q‖p) ≥ 0 per term), variance
+    V = var(w̃); λ = ESS · exp(−KL̂) / (1 + V) in (0, 1]. Returns the per-transition coefficient c = (1 − λ) + λ·w̃
+    [n] (float32) that multiplies the advantage: λ = 1 is the importance-weighted gradient, λ = 0 the uncorrected one,
+    and w ≡ 1 gives c ≡ 1 (the plain gradient). `reduce` sums a tensor over processes (None: one process)."""
+    total = reduce or (lambda t: t)
+    lw = log_weights.detach().double()
+    w = lw.exp()
+    n = total(torch.tensor(float(w.numel()), dtype=torch.float64, device=w.device))
+    s1, s2 = total(w.sum()), total((w * w).sum())
+    kl = total((w - 1.0 - lw).sum()) / n
+    ess = s1 * s1 / (n * s2)
+    tilde = (w / (s1 / n)).clamp(max=max_weight)
+    m1, m2 = total(tilde.sum()) / n, total((tilde * tilde).sum()) / n
+    var = (m2 - m1 * m1).clamp(min=0.0)
+    lam = ess * torch.exp(-kl) / (1.0 + var)
+    coef = (1.0 - lam) + lam * tilde
+    stats = {"ais/lambda": float(lam), "ais/ess": float(ess), "ais/kl": float(kl), "ais/weight_var": float(var)}
+    stats["ais/weight_max"] = float(w.max()) if w.numel() else 1.0
+    return coef.float(), stats
+
+
 def nft_reward(advantages: torch.Tensor, adv_clip_max: float, adv_mode: str = "all") -> torch.Tensor:
     """DiffusionNFT's optimality probability r = clamp(A / (2·A_max) + 1/2, 0, 1) of A = clip(Â, ±A_max) [n].
 

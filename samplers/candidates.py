@@ -142,6 +142,11 @@ class CandidatesSampler:
     """The stage-2 sampler: `name` (any registered sampler but candidates and tree) and its own arguments."""
     score_full: bool = True
     """Score the regenerated samples with score_fn too (the rollout's full_scores, the rank metrics)."""
+    train_on: str = "full"
+    """'full': the selected seeds regenerated at full precision are the rollout (Sol-RL). 'previews': the pool is
+    run by the full sampler itself (an SDE with its log-probs for GRPO) with the preview model in place, and the
+    selected preview samples are the rollout, nothing regenerated (Sol-RL's `naive_quant`; GRPO corrects the
+    preview/policy mismatch with `train.ais`)."""
     height: int | None = None
     width: int | None = None
     num_frames: int | None = None
@@ -175,11 +180,29 @@ class CandidatesSampler:
         if spec.get("same_latent"):
             raise ValueError("sampler.full.same_latent=true: regenerated seeds need their own initial noise; drop it")
         self.full_sampler = SAMPLERS.get(name)(**spec, **{k: getattr(self, k) for k in SHARED})
+        if self.train_on not in ("full", "previews"):
+            raise ValueError(f"sampler.train_on={self.train_on!r} must be 'full' (regenerate the selection) or 'previews'")
+        self.pool_sampler = None  # train_on previews: the full sampler at the preview's step count
+        if self.train_on == "previews":
+            if self.spec is None or "cached" in self.spec.backends:
+                raise ValueError(
+                    f"sampler.train_on=previews with preview_backend={self.preview_backend!r}: training on previews needs a "
+                    "preview model (a precision and/or few_step; 'full' is naive scaling and the cache hooks' step clock "
+                    "runs in the ODE preview only)"
+                )
+            steps = self.preview_num_steps if self.few_step else self.num_steps
+            shared = {k: getattr(self, k) for k in SHARED}
+            self.pool_sampler = SAMPLERS.get(name)(**spec, **{**shared, "num_steps": steps})
 
     def carries(self) -> frozenset[str]:
         """What its rollouts hold for a trainer (docs/recipes/compose.md): the stage-2 sampler's, except `memoryless`:
         the selected seeds are not the SDE's own draws of the initial noise, so the rollouts do not follow its law."""
         return self.full_sampler.carries() - {"memoryless"}
+
+    @property
+    def pool_rollouts(self) -> bool:
+        """Whether a pool is run by a full sampler and its selected rows kept (naive scaling, training on previews)."""
+        return self.naive or self.train_on == "previews"
 
     @property
     def naive(self) -> bool:
@@ -191,17 +214,21 @@ class CandidatesSampler:
         return "few_step" in self.spec.backends
 
     # -- stage 1 ------------------------------------------------------------------------------------------
+    def _precision(self, model: FlowModel):
+        """The bf16 backend's autocast (the other precisions live in the preview copy's weights)."""
+        bf16 = self.spec is not None and self.spec.precision == "bf16"
+        return torch.autocast(model.device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
+
     def _preview(self, model: FlowModel, latents, cond, guidance: float, size) -> torch.Tensor:
         """Clean endpoints [P, ...] of one pool by the deterministic ODE, with the preview transformer in place."""
         steps = self.preview_num_steps if self.few_step else self.num_steps
         sigmas = model.sigmas(steps, *size).to(model.device)  # [P+1]
-        bf16 = self.spec.precision == "bf16"
         x = latents.float()
         with cache_contexts(model.transformer, steps) if "cached" in self.spec.backends else contextlib.nullcontext() as clock:
             for k in range(steps):
                 if clock is not None:
                     clock.update(step=k, call=0)
-                with torch.autocast(model.device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
+                with self._precision(model):
                     v = model.velocity(x, sigmas[k], cond, guidance)
                 x, _, _, _ = sde.sde_step(v.float(), x, sigmas[k], sigmas[k + 1], "ode", 0.0)
         return x
@@ -240,9 +267,13 @@ class CandidatesSampler:
             pool = pool_seeds(pool_gen, self.pool_size)  # [P]
             first = rows[0]
             group_prompts, group_meta = [batch.prompts[first]] * self.pool_size, [batch.metadata[first]] * self.pool_size
-            if self.naive:  # the pool at full precision: its selected samples are the rollout
+            if self.pool_rollouts:  # the pool itself (full precision, or the preview model): its selection is the rollout
                 pool_batch = PromptBatch(group_prompts, torch.full((self.pool_size,), gid), group_meta, seeds=pool)
-                pool_rollouts.append(self.full_sampler(model, pool_batch, score_fn=score_fn, step=step))
+                if self.naive:
+                    pool_rollouts.append(self.full_sampler(model, pool_batch, score_fn=score_fn, step=step))
+                else:
+                    with previewing(model, preview), self._precision(model):
+                        pool_rollouts.append(self.pool_sampler(model, pool_batch, score_fn=score_fn, step=step))
                 images.append(pool_rollouts[-1].images)
             else:
                 cond = encode_prompts(model, group_prompts, group_meta, self.negative_prompt, guidance, size)
@@ -267,7 +298,7 @@ class CandidatesSampler:
         # 5. Stage 2: the selected seeds regenerated at full precision by the full sampler
         tic = time.perf_counter()
         regen = PromptBatch(list(batch.prompts), batch.group_ids, list(batch.metadata), regen_seeds, batch.global_index)
-        if self.naive:
+        if self.pool_rollouts:
             order = [r for rows, _, _ in pools for r in rows]  # batch rows in group order
             parts = [
                 take_rows(part, selected[rows].tolist(), batch.select(rows)) for part, (rows, _, _) in zip(pool_rollouts, pools)

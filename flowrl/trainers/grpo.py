@@ -36,7 +36,7 @@ from flowrl.checkpoint import read_group, resume_recipe, save_recipe
 from flowrl.config import RunConfig
 from flowrl.distributed import Sharding, kept_per_process, make_accelerator
 from flowrl.evaluation import TrainingEvaluation
-from flowrl.losses import clipped_policy_loss
+from flowrl.losses import ais_mixture, clipped_policy_loss
 from flowrl.marble import RewardGradients
 from flowrl.models import build_policy
 from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
@@ -81,6 +81,21 @@ class TreeCreditConfig:
 
 
 @dataclass
+class AISConfig:
+    """Adaptive importance sampling for rollouts drawn by another policy than the one trained (sampler candidates with
+    train_on: previews): the ratio is taken against the policy at rollout time, and the advantage is scaled by
+    flowrl.losses.ais_mixture's mixture of the uncorrected and the importance-weighted gradient (docs/math.md)."""
+
+    enabled: bool = False
+    max_weight: float = 5.0
+    """Truncation of the self-normalised importance weights w / mean(w)."""
+
+    def __post_init__(self) -> None:
+        if not self.max_weight >= 1.0:
+            raise ValueError(f"train.ais.max_weight={self.max_weight} must be >= 1 (the weights are normalised to mean 1)")
+
+
+@dataclass
 class GRPOConfig(OptimizerConfig):
     clip_range: float = 1e-4
     """PPO ε on the ratio of per-element-mean log-probs (Flow-GRPO 1e-4, Fast 1e-5, Wan 1e-3)."""
@@ -112,6 +127,8 @@ class GRPOConfig(OptimizerConfig):
     """Reward fusion, depth-wise advantages and pruning of tree rollouts (keys train.tree.*)."""
     tagrpo: TAGRPOConfig = field(default_factory=TAGRPOConfig)
     """TAGRPO's trajectory alignment and memory bank for image-to-video (keys train.tagrpo.*, flowrl/tagrpo.py)."""
+    ais: AISConfig = field(default_factory=AISConfig)
+    """Adaptive importance sampling of preview rollouts (keys train.ais.*; off by default)."""
 
 
 BANK_GROUP = "tagrpo_bank"  # the checkpoint file of TAGRPO's memory bank (<group>.safetensors)
@@ -341,11 +358,15 @@ class GRPOTrainer:
             )
         mb, accum = n // t.num_minibatches, t.gradient_accumulation_steps
         sigmas = rollout.sigmas.to(acc.device)
+        orders = [torch.randperm(n, generator=gen) for _ in range(t.num_inner_epochs)]
+        # AIS: log-probs of the policy at rollout time (the ratio's reference) and the advantage coefficients
+        old_log_probs, coef, ais_stats = rollout.log_probs, None, {}
+        if t.ais.enabled:
+            old_log_probs, coef, ais_stats = self._ais(rollout, steps, keep, orders[0], mb)
         stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("loss", "policy_loss", "kl", "ratio", "clipped", "approx_kl")}
         align = {k: [] for k in ("loss", "attract", "repel", "bank_partners")}  # TAGRPO's terms, where enabled
         ta = t.tagrpo
-        for _ in range(t.num_inner_epochs):
-            order = torch.randperm(n, generator=gen)
+        for order in orders:
             for m in range(t.num_minibatches):
                 if m % accum == 0:
                     window = len(stats["loss"])  # this optimizer step's losses start here
@@ -383,14 +404,15 @@ class GRPOTrainer:
                         align["attract"].append(d_pos[has_pos].mean() if has_pos.any() else d_pos.new_zeros(()))
                         align["repel"].append(d_neg[has_neg].mean() if has_neg.any() else d_neg.new_zeros(()))
                         align["bank_partners"].append(partners.mean())
-                    old = rollout.log_probs[index, k]
-                    policy_loss, s = clipped_policy_loss(log_prob, old, credit.advantages[index, k], t.clip_range)
+                    old = old_log_probs[index, k]
+                    c = coef[index, k] if coef is not None else 1.0  # AIS's mixture coefficient per transition
+                    policy_loss, s = clipped_policy_loss(log_prob, old, credit.advantages[index, k] * c, t.clip_range)
                     per_sample = policy_loss + regulariser  # [b]
                     boundary = j == depth - 1 and (m + 1) % accum == 0
                     if grads.mode != "single":  # MARBLE: each reward's clipped loss on its own, the KL outside them
 
-                        def policy(a, log_prob=log_prob, old=old, weight=weight):
-                            return (clipped_policy_loss(log_prob, old, a, t.clip_range)[0] * weight).sum() / kept / accum
+                        def policy(a, log_prob=log_prob, old=old, weight=weight, c=c):
+                            return (clipped_policy_loss(log_prob, old, a * c, t.clip_range)[0] * weight).sum() / kept / accum
 
                         outside = t.kl_coef > 0 or alignment is not None
                         kl_loss = (regulariser * weight).sum() / kept / accum if outside else None
@@ -427,7 +449,41 @@ class GRPOTrainer:
             **self.opt.metrics(),
             **grads.metrics(),
             **tagrpo_metrics,
+            **ais_stats,
         }
+
+    @torch.no_grad()
+    def _ais(self, rollout: Rollout, steps: list[list[int]], keep: torch.Tensor, order: torch.Tensor, mb: int):
+        """AIS before any optimizer step: the policy's log-prob of every trained transition, in the first epoch's
+        minibatches (the batch shapes of the first pass, so that its ratios are exactly 1), and ais_mixture's
+        coefficients from the log-weights (policy − behaviour) of the kept samples' transitions (over all processes)."""
+        acc, model = self.accelerator, self.model
+        sigmas = rollout.sigmas.to(acc.device)
+        prox = rollout.log_probs.clone().to(acc.device)  # [N, T]
+        for m in range(len(order) // mb):
+            rows = order[m * mb : (m + 1) * mb].tolist()
+            for j in range(max((len(steps[i]) for i in rows), default=0)):
+                sel = [i for i in rows if len(steps[i]) > j]
+                index = torch.tensor(sel, device=acc.device)
+                k = torch.tensor([steps[i][j] for i in sel], device=acc.device)
+                cond = select_cond(rollout.cond, index)
+                x, x_next = rollout.states(index, k), rollout.states(index, k + 1)
+                scale = rollout.std_scales[index, k] if rollout.std_scales is not None else None
+                v = model.velocity(x, sigmas[k], cond, rollout.guidance_scale)
+                log_prob, _ = sde.rescore_transition(
+                    rollout.rule, v, x, x_next, sigmas[k], sigmas[k + 1], rollout.noise_levels[index, k], None, "code", scale
+                )
+                prox[index, k] = log_prob.to(prox.dtype)
+        pairs = [(i, k) for i, row in enumerate(steps) for k in row if bool(keep[i])]
+        rows_i = torch.tensor([i for i, _ in pairs], dtype=torch.int64, device=acc.device)
+        rows_k = torch.tensor([k for _, k in pairs], dtype=torch.int64, device=acc.device)
+        behaviour = rollout.log_probs.to(acc.device)
+        log_w = (prox[rows_i, rows_k] - behaviour[rows_i, rows_k]).double()
+        reduce = (lambda t: acc.reduce(t, reduction="sum")) if acc.num_processes > 1 else None
+        c, stats = ais_mixture(log_w, self.cfg.train.ais.max_weight, reduce)
+        coef = torch.ones_like(prox, dtype=torch.float32)
+        coef[rows_i, rows_k] = c
+        return prox, coef, stats
 
     # ------------------------------------------------------------------------------------------ state
     def save(self):

@@ -162,13 +162,15 @@ def bench_balancers(
     timing_steps: int = 6,
 ) -> dict:
     """Run every balancer (and single-reward NFT) on every seed; returns (and writes after each run) the JSON.
-    `timing_steps=0` skips the side-by-side timing (a part to `merge_balancers` with one that has it)."""
+    `timing_steps=0` skips the side-by-side timing, and no seeds runs only the timing (parts to `merge_balancers`)."""
     import platform
 
     import torch
 
     names = balancer_order(balancers)
     overrides = list(overrides or [])
+    if not seeds and timing_steps == 0:
+        raise ValueError("--timing-only with --timing-steps 0 measures nothing; give --timing-steps N >= 1")
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds {','.join(map(str, seeds))} repeats a seed; name each once")
     from flowrl.trainers import load_config

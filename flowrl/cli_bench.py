@@ -64,6 +64,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--heldout-seeds", default="4", help="seeds per held-out prompt (default: 4)")
     q.add_argument("--timing-steps", default="6", help="interleaved steps of the side-by-side timing (default: 6; 0: none)")
     q.add_argument("--merge", nargs="+", default=None, help="balancer JSONs run apart (e.g. a seed each) -> one at --json")
+    q.add_argument("--timing-only", action="store_true", help="only the side-by-side timing: a part to --merge")
     q.add_argument("overrides", nargs="*", help="key.path=value overrides for every run, e.g. num_steps=10")
 
 
@@ -119,7 +120,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
         result = bench_balancers(
             balancers=None if args.balancers is None else [name.strip() for name in args.balancers.split(",")],
-            seeds=_int_list("--seeds", args.seeds),
+            seeds=[] if args.timing_only else _int_list("--seeds", args.seeds),
             overrides=args.overrides,
             out_json=args.json,
             num_seeds=_positive_int("--heldout-seeds", args.heldout_seeds),

@@ -58,33 +58,39 @@ def test_bad_input_is_one_line_naming_the_flag(tmp_path, capsys):
     assert balancer_order(None)[0] == "weighted_sum" and "marble_full" in balancer_order(None)
 
 
-def test_parts_run_apart_merge_into_one_bench(tmp_path, capsys):
-    common = dict(balancers=["weighted_sum"], overrides=TINY, num_seeds=1, eval_num_steps=2)
-    a = bench_balancers(seeds=[0], out_json=tmp_path / "a.json", timing_steps=0, **common)
-    b = bench_balancers(seeds=[1], out_json=tmp_path / "b.json", timing_steps=1, **common)
+def test_parts_run_apart_merge_into_one_bench(tmp_path):
+    common = dict(overrides=TINY, num_seeds=1, eval_num_steps=2)
+    a = bench_balancers(balancers=["weighted_sum"], seeds=[0], out_json=tmp_path / "a.json", timing_steps=0, **common)
+    b = bench_balancers(balancers=["weighted_sum"], seeds=[1], out_json=tmp_path / "b.json", timing_steps=0, **common)
     assert a["side_by_side_step_s"] is None and a["marble_step_ratio"] is None
-    out = tmp_path / "merged.json"
+    t = tmp_path / "t.json"  # the timing alone, as `--timing-only` writes it
     assert (
-        cli.main(["bench", "balancers", "--json", str(out), "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+        cli.main(["bench", "balancers", "--json", str(t), "--timing-only", "--timing-steps", "1", "--heldout-seeds", "1", *TINY])
+        == 0
     )
+    timing = json.loads(t.read_text())
+    assert timing["runs"] == {} and set(timing["side_by_side_step_s"]) == {"nft", "weighted_sum", "marble"}
+    out = tmp_path / "merged.json"
+    parts = [str(tmp_path / "a.json"), str(tmp_path / "b.json"), str(t)]
+    assert cli.main(["bench", "balancers", "--json", str(out), "--merge", *parts]) == 0
     merged = json.loads(out.read_text())
     pooled = {name: {0: a["runs"][name]["0"], 1: b["runs"][name]["1"]} for name in ("nft", "weighted_sum")}
-    expected = balancers_result(pooled, b["side_by_side_step_s"], TINY, {**b["settings"], "seeds": [0, 1]}, a["host"])
+    settings = {**a["settings"], "seeds": [0, 1]}
+    expected = balancers_result(pooled, timing["side_by_side_step_s"], TINY, settings, a["host"])
     assert merged == json.loads(json.dumps(expected))  # the runs pooled, the timing from the part that has it
     for reward in REWARDS:
-        assert merged["per_reward_delta"]["weighted_sum"][reward] == [
-            a["per_reward_delta"]["weighted_sum"][reward][0],
-            b["per_reward_delta"]["weighted_sum"][reward][0],
-        ]
-    assert merged["marble_step_ratio"] == b["marble_step_ratio"]
+        pair = [a["per_reward_delta"]["weighted_sum"][reward][0], b["per_reward_delta"]["weighted_sum"][reward][0]]
+        assert merged["per_reward_delta"]["weighted_sum"][reward] == pair
+    assert merged["marble_step_ratio"] == timing["marble_step_ratio"] is not None
     for paths, expected_error in [
         ([tmp_path / "a.json", tmp_path / "a.json"], "seed 0 is in two of the files"),
-        ([tmp_path / "b.json", tmp_path / "b.json"], "both carry a side-by-side timing"),
+        ([t, t], "both carry a side-by-side timing"),
         ([tmp_path / "a.json"], "name at least two"),
     ]:
         with pytest.raises(ValueError, match=expected_error):
             merge_balancers(paths)
-    other = {**a, "overrides": ["num_steps=3"]}
-    (tmp_path / "c.json").write_text(json.dumps(other))
+    (tmp_path / "c.json").write_text(json.dumps({**a, "overrides": ["num_steps=3"]}))
     with pytest.raises(ValueError, match="differ from"):
         merge_balancers([tmp_path / "b.json", tmp_path / "c.json"])
+    with pytest.raises(ValueError, match="measures nothing"):
+        bench_balancers(seeds=[], timing_steps=0, **common)

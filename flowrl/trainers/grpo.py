@@ -196,6 +196,27 @@ def shared_counts(steps: list[list[int]], shared_by: torch.Tensor) -> torch.Tens
     return (total / rows)[unit]
 
 
+class TransitionInputs(NamedTuple):
+    """What re-scoring transitions k of rows `index` needs, each [b, ...]."""
+
+    cond: dict
+    x: torch.Tensor
+    x_next: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    level: torch.Tensor
+    scale: torch.Tensor | None  # a tree's split-noise scale, None for other rollouts
+
+
+def transition_inputs(rollout: Rollout, sigmas: torch.Tensor, index: torch.Tensor, k: torch.Tensor) -> TransitionInputs:
+    """Conditioning, states x_k -> x_{k+1}, σ_k, σ_{k+1}, noise level and std scale of transitions k of rows index."""
+    scale = rollout.std_scales[index, k] if rollout.std_scales is not None else None
+    states = rollout.states(index, k), rollout.states(index, k + 1)
+    return TransitionInputs(
+        select_cond(rollout.cond, index), *states, sigmas[k], sigmas[k + 1], rollout.noise_levels[index, k], scale
+    )
+
+
 def same_on_every_process(acc, lengths: list[int]) -> bool:
     """Whether every process has these per-sample transition counts. The minibatch order is the same permutation on
     every process (one step generator), so equal counts mean the same backward calls (what FSDP2 / ZeRO-2 need),
@@ -379,10 +400,7 @@ class GRPOTrainer:
                     index = torch.tensor(sel, device=acc.device)  # [b]
                     k = torch.tensor([steps[i][j] for i in sel], device=acc.device)  # [b] transition per sample
                     weight = keep[index].float() / counts[index]  # [b]
-                    cond = select_cond(rollout.cond, index)
-                    x, x_next = rollout.states(index, k), rollout.states(index, k + 1)  # [b, ...]
-                    sigma, sigma_next, level = sigmas[k], sigmas[k + 1], rollout.noise_levels[index, k]  # [b]
-                    scale = rollout.std_scales[index, k] if rollout.std_scales is not None else None  # [b] tree splits
+                    cond, x, x_next, sigma, sigma_next, level, scale = transition_inputs(rollout, sigmas, index, k)
                     v = model.velocity(x, sigma, cond, rollout.guidance_scale)
                     v_ref = None
                     if t.kl_coef > 0:
@@ -466,13 +484,9 @@ class GRPOTrainer:
                 sel = [i for i in rows if len(steps[i]) > j]
                 index = torch.tensor(sel, device=acc.device)
                 k = torch.tensor([steps[i][j] for i in sel], device=acc.device)
-                cond = select_cond(rollout.cond, index)
-                x, x_next = rollout.states(index, k), rollout.states(index, k + 1)
-                scale = rollout.std_scales[index, k] if rollout.std_scales is not None else None
-                v = model.velocity(x, sigmas[k], cond, rollout.guidance_scale)
-                log_prob, _ = sde.rescore_transition(
-                    rollout.rule, v, x, x_next, sigmas[k], sigmas[k + 1], rollout.noise_levels[index, k], None, "code", scale
-                )
+                cond, x, x_next, sigma, sigma_next, level, scale = transition_inputs(rollout, sigmas, index, k)
+                v = model.velocity(x, sigma, cond, rollout.guidance_scale)
+                log_prob, _ = sde.rescore_transition(rollout.rule, v, x, x_next, sigma, sigma_next, level, None, "code", scale)
                 prox[index, k] = log_prob.to(prox.dtype)
         pairs = [(i, k) for i, row in enumerate(steps) for k in row if bool(keep[i])]
         rows_i = torch.tensor([i for i, _ in pairs], dtype=torch.int64, device=acc.device)

@@ -230,22 +230,25 @@ def balancers_result(runs: dict, timing: dict | None, overrides: list[str], sett
 
 def merge_balancers(paths: list[str | Path], out_json: str | Path | None = None) -> dict:
     """One bench from parts run apart (e.g. a process per seed): their runs pooled. The parts must agree on the
-    overrides and the held-out evaluation, repeat no (balancer, seed) run, and at most one may carry the
-    side-by-side timing (run the others with --timing-steps 0)."""
+    overrides and the held-out evaluation (a timing-only part on the overrides), repeat no (balancer, seed) run,
+    and at most one may carry the side-by-side timing (run the others with --timing-steps 0)."""
     import json
 
     if len(paths) < 2:
         raise ValueError(f"--merge names {len(paths)} file(s); name at least two balancer JSONs, e.g. --merge s0.json s1.json")
     runs: dict[str, dict[int, dict]] = {}
-    first, timing, timed_by = None, None, None
+    first, timing, timed_by, first_path = None, None, None, None
+    overrides: list[tuple] = []  # (path, overrides) of the timing-only parts
     for path in paths:
         part = json.loads(Path(path).read_text())
         same = {k: v for k, v in part["settings"].items() if k != "seeds"}, part["overrides"]
-        if first is None:
-            first, host = same, part["host"]
+        if not part["runs"]:  # a timing-only part: no held-out evaluation to agree on, only the overrides
+            overrides.append((path, part["overrides"]))
+        elif first is None:
+            first, host, first_path = same, part["host"], path
         elif same != first:
             raise ValueError(
-                f"{path}: its settings or overrides {same} differ from {paths[0]}'s {first}; merge like benches only"
+                f"{path}: its settings or overrides {same} differ from {first_path}'s {first}; merge like benches only"
             )
         if part["side_by_side_step_s"] is not None:
             if timing is not None:
@@ -258,6 +261,11 @@ def merge_balancers(paths: list[str | Path], out_json: str | Path | None = None)
                 if int(seed) in runs.get(name, {}):
                     raise ValueError(f"{path}: {name} seed {seed} is in two of the files; merge each run once")
                 runs.setdefault(name, {})[int(seed)] = run
+    if first is None:
+        raise ValueError(f"none of {', '.join(map(str, paths))} has runs; merge seed parts (and at most one timing part)")
+    for path, other in overrides:
+        if other != first[1]:
+            raise ValueError(f"{path}: its overrides {other} differ from {first_path}'s {first[1]}; merge like benches only")
     order = [n for n in [SINGLE, *BALANCER_RUNS] if n in runs]
     runs = {name: dict(sorted(runs[name].items())) for name in order}
     seeds = sorted({seed for by_seed in runs.values() for seed in by_seed})

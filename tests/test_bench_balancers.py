@@ -92,5 +92,8 @@ def test_parts_run_apart_merge_into_one_bench(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({**a, "overrides": ["num_steps=3"]}))
     with pytest.raises(ValueError, match="differ from"):
         merge_balancers([tmp_path / "b.json", tmp_path / "c.json"])
+    (tmp_path / "u.json").write_text(json.dumps({**timing, "overrides": ["num_steps=3"]}))
+    with pytest.raises(ValueError, match="u.json: its overrides"):
+        merge_balancers([tmp_path / "a.json", tmp_path / "u.json"])
     with pytest.raises(ValueError, match="measures nothing"):
         bench_balancers(seeds=[], timing_steps=0, **common)

@@ -15,7 +15,8 @@ Per prompt group (docs/recipes/candidates.md):
                full precision and `num_steps`, from the same initial noise; the trainer scores these as usual
 The Rollout is the full sampler's (one row per batch sample, the group's rows taking its selected seeds in pool
 order); the preview only ranks, its samples are dropped. Extras, one row per sample: seeds (the selected ones),
-preview_scores, full_scores (score_fn on the regenerated images, when `score_full`), pool_seeds [N, P],
+preview_scores, full_scores (score_fn on the regenerated images, when `score_full`; where the pool's own samples are
+kept, naive scaling or train_on previews, their pool scores), pool_seeds [N, P],
 pool_preview_scores [N, P], pool_index, preview_seconds and full_seconds (the call's time spread over its rows).
 `candidate_metrics(rollout)` turns them into the step's `candidates/...` metrics.
 """
@@ -321,8 +322,10 @@ class CandidatesSampler:
                 "full_seconds": torch.full((n,), full_s / n),
             }
         )
-        if self.score_full and self.decode:
-            full = score_fn(rollout.images, rollout.prompts, rollout.metadata).detach().float().cpu()
+        if self.score_full and self.decode:  # a kept pool sample was scored already: its pool score is its full score
+            full = rollout.extras["preview_scores"].clone() if self.pool_rollouts else None
+            if full is None:
+                full = score_fn(rollout.images, rollout.prompts, rollout.metadata).detach().float().cpu()
             rollout.extras["full_scores"] = full
         return rollout
 

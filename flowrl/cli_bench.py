@@ -117,7 +117,6 @@ def _run_bench(args: argparse.Namespace) -> int:
         from flowrl.bench_balancers import bench_balancers
 
         timing_steps = args.timing_steps.strip()
-
         result = bench_balancers(
             balancers=None if args.balancers is None else [name.strip() for name in args.balancers.split(",")],
             seeds=[] if args.timing_only else _int_list("--seeds", args.seeds),

@@ -183,7 +183,7 @@ class CandidatesSampler:
         self.full_sampler = SAMPLERS.get(name)(**spec, **{k: getattr(self, k) for k in SHARED})
         if self.train_on not in ("full", "previews"):
             raise ValueError(f"sampler.train_on={self.train_on!r} must be 'full' (regenerate the selection) or 'previews'")
-        self.pool_sampler = None  # train_on previews: the full sampler at the preview's step count
+        self.pool_sampler = self.full_sampler  # runs a whole pool where its samples are kept (naive scaling, previews)
         if self.train_on == "previews":
             if self.spec is None or "cached" in self.spec.backends:
                 raise ValueError(
@@ -270,11 +270,9 @@ class CandidatesSampler:
             group_prompts, group_meta = [batch.prompts[first]] * self.pool_size, [batch.metadata[first]] * self.pool_size
             if self.pool_rollouts:  # the pool itself (full precision, or the preview model): its selection is the rollout
                 pool_batch = PromptBatch(group_prompts, torch.full((self.pool_size,), gid), group_meta, seeds=pool)
-                if self.naive:
-                    pool_rollouts.append(self.full_sampler(model, pool_batch, score_fn=score_fn, step=step))
-                else:
-                    with previewing(model, preview), self._precision(model):
-                        pool_rollouts.append(self.pool_sampler(model, pool_batch, score_fn=score_fn, step=step))
+                in_place = previewing(model, preview) if preview is not None else contextlib.nullcontext()
+                with in_place, self._precision(model):
+                    pool_rollouts.append(self.pool_sampler(model, pool_batch, score_fn=score_fn, step=step))
                 images.append(pool_rollouts[-1].images)
             else:
                 cond = encode_prompts(model, group_prompts, group_meta, self.negative_prompt, guidance, size)
@@ -323,10 +321,10 @@ class CandidatesSampler:
             }
         )
         if self.score_full and self.decode:  # a kept pool sample was scored already: its pool score is its full score
-            full = rollout.extras["preview_scores"].clone() if self.pool_rollouts else None
-            if full is None:
-                full = score_fn(rollout.images, rollout.prompts, rollout.metadata).detach().float().cpu()
-            rollout.extras["full_scores"] = full
+            if self.pool_rollouts:
+                rollout.extras["full_scores"] = rollout.extras["preview_scores"].clone()
+            else:
+                rollout.extras["full_scores"] = score_fn(rollout.images, rollout.prompts, rollout.metadata).detach().float().cpu()
         return rollout
 
 

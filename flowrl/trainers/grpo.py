@@ -488,7 +488,8 @@ class GRPOTrainer:
                 v = model.velocity(x, sigma, cond, rollout.guidance_scale)
                 log_prob, _ = sde.rescore_transition(rollout.rule, v, x, x_next, sigma, sigma_next, level, None, "code", scale)
                 prox[index, k] = log_prob.to(prox.dtype)
-        pairs = [(i, k) for i, row in enumerate(steps) for k in row if bool(keep[i])]
+        kept = keep.cpu().tolist()  # one transfer, not a device sync per transition
+        pairs = [(i, k) for i, row in enumerate(steps) for k in row if kept[i]]
         rows_i = torch.tensor([i for i, _ in pairs], dtype=torch.int64, device=acc.device)
         rows_k = torch.tensor([k for _, k in pairs], dtype=torch.int64, device=acc.device)
         behaviour = rollout.log_probs.to(acc.device)

@@ -69,6 +69,29 @@ def test_the_rows_are_the_pools_selection_by_preview_score(toy):
     assert len(set(ex["pool_seeds"][0].tolist()) & set(ex["pool_seeds"][2].tolist())) == 0  # one pool per group
 
 
+def test_previews_batched_across_pools_change_no_sample(toy):
+    """preview_batch_size only changes how many rows a preview forward takes: one row, a chunk that splits a pool
+    and every pool at once give the pools' ODE previews (each checked against an ODE run of its own seeds) and
+    the same selection and regenerated rollout."""
+    batch = groups_batch(group_size=2)
+    runs = {
+        size: candidates(preview_backend="few_step", preview_batch_size=size)(toy, batch, score_fn=brightness)
+        for size in (None, 1, 3, 8)
+    }
+    reference = runs[None]
+    pool_seeds = reference.extras["pool_seeds"][[0, 2]].flatten()  # [2 * P] pool 0's seeds, then pool 1's
+    prompts = ["two red circles"] * 4 + ["one blue square"] * 4
+    direct = ODESampler(num_steps=2, guidance_scale=1.0)(toy, PromptBatch(prompts, torch.arange(8), seeds=pool_seeds))
+    expected = brightness(direct.images, None, None)
+    for size, rollout in runs.items():
+        scores = rollout.extras["pool_preview_scores"][[0, 2]].flatten()
+        torch.testing.assert_close(scores, expected, rtol=0, atol=1e-6, msg=f"preview_batch_size={size}")
+        assert torch.equal(rollout.extras["pool_index"], reference.extras["pool_index"])
+        assert torch.equal(rollout.images, reference.images) and torch.equal(rollout.latents, reference.latents)
+    with pytest.raises(ValueError, match="preview_batch_size=0 must be >= 1"):
+        candidates(preview_batch_size=0)
+
+
 def test_preview_scores_come_from_a_preview_that_is_not_the_full_rollout(toy):
     """With a preview identical to the full rollout (no backend, same steps) the preview scores are the full ones;
     with NVFP4 and fewer steps they differ."""

@@ -17,10 +17,12 @@ trained `num_steps` steps per seed with the same loop. Per run:
 `single_reward_delta` is configs/toy/nft.yaml (the attribute reward alone) on the same seeds, the single-reward
 demo to beat. `marble_step_ratio` is amortized MARBLE's median step time over single-reward NFT's, their steps
 interleaved in one process (no probe), and `marble_weighted_sum_step_ratio` the same against the weighted sum.
+`jpeg_by_count` is the JPEG reward of the world's own renders by shape count: the conflict the three rewards build in.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import tempfile
@@ -59,6 +61,26 @@ def heldout_rewards(model, num_seeds: int, num_steps: int, guidance_scale: float
         "toy_attributes": exact_accuracy(images, prompts)["accuracy"],
         "toy_artifact": float(REGISTRY.build("toy_artifact")(images, prompts, meta).scores.mean()),
         "jpeg_compressibility": float(REGISTRY.build("jpeg_compressibility")(images, prompts, meta).scores.mean()),
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def jpeg_by_count(num_per_spec: int = 30) -> dict[str, dict[str, float]]:
+    """The JPEG reward of the world's own renders (every prompt x `num_per_spec` seeds) by shape count: mean and
+    within-count std. Each shape adds to the file, so on a "three ..." prompt the JPEG reward prefers a wrong count:
+    the conflict between toy_attributes and jpeg_compressibility that no balancer can remove."""
+    import torch
+
+    from flowrl.registry import REWARDS as REGISTRY
+    from flowrl.toy.world import ALL_SPECS, render_batch
+
+    specs = [spec for spec in ALL_SPECS for _ in range(num_per_spec)]
+    images = render_batch(specs, list(range(len(specs))))
+    scores = REGISTRY.build("jpeg_compressibility")(images, [s.prompt for s in specs], [{} for _ in specs]).scores
+    counts = torch.tensor([s.count for s in specs])
+    return {
+        str(n): {"mean": round(float(scores[counts == n].mean()), 4), "std": round(float(scores[counts == n].std()), 4)}
+        for n in sorted(set(counts.tolist()))
     }
 
 
@@ -221,6 +243,7 @@ def balancers_result(runs: dict, timing: dict | None, overrides: list[str], sett
         "alpha": {name: [r["alpha"] for r in s.values()] for name, s in balancers.items() if name.startswith("marble")},
         "fallbacks": {name: [r["fallbacks"] for r in s.values()] for name, s in balancers.items() if name.startswith("marble")},
         "base": next(iter(next(iter(runs.values())).values()))["base"] if runs else None,
+        "jpeg_by_count": jpeg_by_count(),
         "runs": {name: {str(seed): run for seed, run in by_seed.items()} for name, by_seed in runs.items()},
         "overrides": list(overrides),
         "settings": settings,

@@ -97,3 +97,25 @@ def test_parts_run_apart_merge_into_one_bench(tmp_path):
         merge_balancers([tmp_path / "a.json", tmp_path / "u.json"])
     with pytest.raises(ValueError, match="measures nothing"):
         bench_balancers(seeds=[], timing_steps=0, **common)
+
+
+def test_jpeg_by_count_reads_the_world_renders_and_prefers_fewer_shapes():
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from flowrl.bench_balancers import jpeg_by_count
+    from flowrl.toy.world import ALL_SPECS, render
+
+    table = jpeg_by_count.__wrapped__(2)
+    for n in (1, 2, 3):  # minus the kB of a quality-95 JPEG, encoded here straight through PIL
+        sizes = []
+        for i, spec in enumerate(s for s in ALL_SPECS for _ in range(2)):
+            if spec.count == n:
+                pixels = (render(spec, i) * 255).round().clamp(0, 255).byte().permute(1, 2, 0).numpy()
+                buffer = io.BytesIO()
+                Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="JPEG", quality=95)
+                sizes.append(-buffer.tell() / 1000)
+        assert table[str(n)]["mean"] == pytest.approx(float(np.mean(sizes)), abs=1e-4)
+    assert table["1"]["mean"] > table["2"]["mean"] > table["3"]["mean"]  # every shape costs JPEG reward

@@ -8,10 +8,14 @@ Training data are endless new scenes of all 36 combinations (the judges must kno
 softened like model samples (slight blur, faint noise). The attribute judge also sees scenes the world never
 draws (`--impossible-fraction` of each batch: no shape, four or five, two colours or two shapes in one scene),
 labelled with each head's "other" class, so a count or colour outside the world cannot pass for a prompt's.
+`--faint-fraction` of the scenes of both kinds have one shape faint (faded and shrunk, `faint_items`) where the exact
+checker still reads the same shapes, so a dim or small extra shape counts for the judge as it does for the gold (the
+shipped judge, 0 here, scores four shapes for "three ..." near 1 when one is dim; docs/toy.md#judges).
 The artifact judge sees half clean scenes and half scenes with one corruption each (noise, blocking, stripes,
 saturation). Held-out accuracy is measured on scenes drawn from a generator seeded apart from training
 (seed + 1,000,000), raw and softened; for the attribute judge also the mean score the best of the 36 prompts
-gets on impossible scenes (seed + 2,000,000), which should be near 0.
+gets on impossible scenes (seed + 2,000,000), which should be near 0; and both on faint scenes ("faint",
+"impossible_faint").
 
     python scripts/train_toy_judges.py --judge attributes --evaluate-only \
         --checkpoint tests/toy/fixtures/toy_attributes_countblind.safetensors   # the first, count-blind judge
@@ -40,6 +44,7 @@ from flowrl.toy.world import (
     IMPOSSIBLE_KINDS,
     SHAPES,
     corrupt,
+    faint_items,
     impossible_batch,
     random_batch,
     soften,
@@ -60,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help=f"output folder (default {WEIGHTS_DIR}; --quick: a temporary folder)")
     p.add_argument("--quick", action="store_true", help="test-sized run: 20 steps, 256 eval scenes")
     p.add_argument("--impossible-fraction", type=float, default=0.25, help="attributes: share of each batch outside the world")
+    p.add_argument("--faint-fraction", type=float, default=0.0, help="attributes: share of scenes with one faint shape")
     p.add_argument("--evaluate-only", action="store_true", help="measure --checkpoint, else --out's judge (or the shipped)")
     p.add_argument("--checkpoint", default=None, help="--evaluate-only: the judge file to measure")
     args = p.parse_args(argv)
@@ -67,6 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.steps = 20 if args.quick else {"attributes": 2000, "artifact": 800}[args.judge]
     if not 0.0 <= args.impossible_fraction < 1.0:
         raise ValueError(f"--impossible-fraction={args.impossible_fraction} must be in [0, 1); 0.25 is the shipped judge's")
+    if not 0.0 <= args.faint_fraction <= 1.0:
+        raise ValueError(
+            f"--faint-fraction={args.faint_fraction} must be in [0, 1]; 0 is the shipped judge's, 0.25 the retrained"
+        )
     if args.quick:
         args.num_eval = min(args.num_eval, 256)
     if args.steps < 1 or args.batch_size < 2:
@@ -76,13 +86,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def attribute_batch(num: int, generator: torch.Generator, augment: bool = True, impossible_fraction: float = 0.0):
-    """Scenes [N, 3, 32, 32] and labels [N, 3] (count, colour, shape): round(N * fraction) impossible ones first."""
+def make_faint(
+    images: torch.Tensor, items: list[list[tuple[str, str]]], fraction: float, generator: torch.Generator, same_shapes: bool
+):
+    """`images` [N, 3, 32, 32] with the first round(N * fraction) scenes redrawn with one faint shape (in place),
+    where the exact checker still reads the scene's shapes in their colours, and with `same_shapes` their shapes
+    (world scenes keep their labels; an impossible scene's count is what makes it impossible); `faint_items`. A
+    scene the checker would read otherwise stays as it was."""
+    for i in range(round(len(items) * fraction)):
+        seed = int(torch.randint(2**31 - 1, (), generator=generator))
+        image = faint_items(items[i], seed, generator, same_shapes)
+        if image is not None:
+            images[i] = image
+    return images
+
+
+def attribute_batch(
+    num: int, generator: torch.Generator, augment: bool = True, impossible_fraction: float = 0.0, faint_fraction: float = 0.0
+):
+    """Scenes [N, 3, 32, 32] and labels [N, 3] (count, colour, shape): round(N * fraction) impossible ones first;
+    `faint_fraction` of each kind with one faint shape."""
     num_impossible = round(num * impossible_fraction)
     images, specs = random_batch(num - num_impossible, "all", generator)  # [N - k, 3, 32, 32]
     labels = [spec.labels for spec in specs]
+    if faint_fraction:
+        images = make_faint(images, [[(s.colour, s.shape)] * s.count for s in specs], faint_fraction, generator, True)
     if num_impossible:
         odd, items = impossible_batch(num_impossible, generator)  # [k, 3, 32, 32]
+        if faint_fraction:
+            odd = make_faint(odd, items, faint_fraction, generator, False)
         images, labels = torch.cat([odd, images]), [scene_labels(scene) for scene in items] + labels
     if augment:
         images = soften(images, generator)
@@ -115,11 +147,11 @@ def attribute_loss(judge: AttributeJudge, images: torch.Tensor, labels: torch.Te
 def evaluate_attributes(judge: AttributeJudge, num: int, seed: int) -> dict:
     generator = torch.Generator().manual_seed(seed + 1_000_000)
     result = {}
-    for name, augment in (("raw", False), ("softened", True)):
+    for name, augment, faint in (("raw", False, 0.0), ("softened", True, 0.0), ("faint", True, 1.0)):
         correct, total = torch.zeros(3), 0
         joint = 0
         for start in range(0, num, 250):
-            images, labels = attribute_batch(min(250, num - start), generator, augment)
+            images, labels = attribute_batch(min(250, num - start), generator, augment, 0.0, faint)
             logits = judge(images)
             hits = torch.stack([logits[h].argmax(1) == labels[:, i] for i, h in enumerate(HEADS)], 1)  # [N, 3]
             correct += hits.float().sum(0)
@@ -136,6 +168,15 @@ def evaluate_attributes(judge: AttributeJudge, num: int, seed: int) -> dict:
                 scores[kind].append(best_prompt_score(judge(soften(images, generator) if augment else images)))
         result[name] = {f"{kind}_best_prompt_score": round(torch.cat(s).mean().item(), 4) for kind, s in scores.items()}
         result[name]["mean_best_prompt_score"] = round(torch.cat([torch.cat(s) for s in scores.values()]).mean().item(), 4)
+    scores = {kind: [] for kind in IMPOSSIBLE_KINDS if kind != "empty"}  # an empty scene has no shape to fade
+    for start in range(0, num, 250):
+        for kind in scores:
+            images, items = impossible_batch(max(1, min(250, num - start) // len(scores)), generator, (kind,))
+            scores[kind].append(best_prompt_score(judge(soften(make_faint(images, items, 1.0, generator, False), generator))))
+    result["impossible_faint"] = {f"{kind}_best_prompt_score": round(torch.cat(s).mean().item(), 4) for kind, s in scores.items()}
+    result["impossible_faint"]["mean_best_prompt_score"] = round(
+        torch.cat([torch.cat(s) for s in scores.values()]).mean().item(), 4
+    )
     return result
 
 
@@ -183,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
     start, running = time.time(), []
     for step in range(1, args.steps + 1):
         if args.judge == "attributes":
-            loss = attribute_loss(judge, *attribute_batch(args.batch_size, generator, True, args.impossible_fraction))
+            batch = attribute_batch(args.batch_size, generator, True, args.impossible_fraction, args.faint_fraction)
+            loss = attribute_loss(judge, *batch)
         else:
             images, labels = artifact_batch(args.batch_size, generator)
             loss = torch.nn.functional.binary_cross_entropy_with_logits(judge(images), labels)
@@ -215,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if args.judge == "attributes":
         entry["impossible_fraction"] = args.impossible_fraction
+        entry["faint_fraction"] = args.faint_fraction
     write_manifest_entry(out, name, entry)
     print(json.dumps(entry, indent=2), flush=True)
     return entry

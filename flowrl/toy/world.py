@@ -214,10 +214,14 @@ def soften(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 IMPOSSIBLE_KINDS = ("empty", "four", "five", "mixed_colours", "mixed_shapes")
 
 
-def render_items(items: list[tuple[str, str]], seed: int, size: int = IMAGE_SIZE) -> torch.Tensor:
+def render_items(
+    items: list[tuple[str, str]], seed: int, size: int = IMAGE_SIZE, faint: tuple[int, float, float] | None = None
+) -> torch.Tensor:
     """Any scene [3, size, size] of `items` = [(colour, shape), ...], placed and sized as `render` places them (one
     radius per scene, shrunk until nothing overlaps), so `render_items([(c, s)] * n, seed) == render(ShapeSpec(n, c,
-    s), seed)`. It also draws what `render` never does: no shape, four or five, several colours or shapes at once."""
+    s), seed)`. It also draws what `render` never does: no shape, four or five, several colours or shapes at once,
+    and with `faint` = (item index, strength, scale) that item faded to `strength` of its colour and shrunk to `scale`
+    of the scene's radius (`faint_items`: what a policy draws to slip an extra shape past the attribute judge)."""
     for colour, shape in items:
         if colour not in COLOURS or shape not in SHAPES:
             raise ValueError(f"item ({colour!r}, {shape!r}) is unknown; colours are {COLOURS}, shapes {SHAPES}")
@@ -231,9 +235,10 @@ def render_items(items: list[tuple[str, str]], seed: int, size: int = IMAGE_SIZE
             extent = radius * max(1.25 if shape == "triangle" else 1.2 for _, shape in items)
             centres = _place(rng, len(items), extent, size)
             radius = radius if centres is not None else radius * 0.9
-        for (colour, shape), (cx, cy) in zip(items, centres):
-            alpha = np.clip(0.5 - _signed_distance(shape, xs - cx, ys - cy, radius), 0.0, 1.0)
-            coverage[colour] = np.maximum(coverage[colour], alpha)
+        for i, ((colour, shape), (cx, cy)) in enumerate(zip(items, centres)):
+            strength, scale = (faint[1], faint[2]) if faint is not None and faint[0] == i else (1.0, 1.0)
+            alpha = np.clip(0.5 - _signed_distance(shape, xs - cx, ys - cy, radius * scale), 0.0, 1.0)
+            coverage[colour] = np.maximum(coverage[colour], strength * alpha)
     background = np.asarray(BACKGROUND_RGB)[:, None, None]  # [3, 1, 1]
     total = sum(coverage.values(), np.zeros((size, size)))  # shapes never overlap, so this is at most 1
     image = background * (1 - total) + sum((np.asarray(COLOUR_RGB[c])[:, None, None] * a for c, a in coverage.items()), 0.0)
@@ -264,6 +269,34 @@ def impossible_items(kind: str, generator: torch.Generator) -> list[tuple[str, s
         colour = pick(COLOURS)[0]
         return [(colour, shape) for shape in mixed(SHAPES)]
     raise ValueError(f"impossible scene kind={kind!r} is unknown; use one of {', '.join(IMPOSSIBLE_KINDS)}")
+
+
+FAINT_STRENGTH = (0.6, 0.9)  # a faint shape's share of its colour: above toy_exact's coverage threshold (0.5)
+FAINT_SCALE = (0.6, 1.0)  # its radius as a share of the scene's
+
+
+def faint_items(
+    items: list[tuple[str, str]], seed: int, generator: torch.Generator, same_shapes: bool = True
+) -> torch.Tensor | None:
+    """The scene of `items` with one item (drawn at random) faint: its colour faded to U(FAINT_STRENGTH) and its
+    radius shrunk to U(FAINT_SCALE). None when the exact checker would not read the faint scene as the same number
+    of shapes in the items' colours (and, with `same_shapes`, their shapes: the checker reads a faint circle's fill
+    as a square's), so a judge trained on it learns to count what the gold counts. Used by scripts/train_toy_judges.py against the hack it closes: four
+    shapes for "three", one of them dim or small, which the judge trained on full-strength scenes called three."""
+    from flowrl.toy.exact import find_blobs
+
+    if not items:
+        return None
+    index = int(torch.randint(len(items), (), generator=generator))
+    strength = FAINT_STRENGTH[0] + (FAINT_STRENGTH[1] - FAINT_STRENGTH[0]) * float(torch.rand((), generator=generator))
+    scale = FAINT_SCALE[0] + (FAINT_SCALE[1] - FAINT_SCALE[0]) * float(torch.rand((), generator=generator))
+    image = render_items(items, seed, faint=(index, strength, scale))
+    blobs = find_blobs(image[None])[0]
+    if same_shapes:
+        same = sorted((b.colour, b.shape) for b in blobs) == sorted(items)
+    else:
+        same = sorted(b.colour for b in blobs) == sorted(c for c, _ in items)
+    return image if same else None
 
 
 def impossible_batch(num: int, generator: torch.Generator, kinds: tuple[str, ...] = IMPOSSIBLE_KINDS):

@@ -58,15 +58,18 @@ def test_attribute_judge_quick_run_records_valid_and_impossible_scores(tmp_path)
         ["--judge", "attributes", "--quick", "--steps", "2", "--num-eval", "20", "--out", str(tmp_path)]
     )
     accuracy = entry["heldout_accuracy"]
-    assert set(accuracy) == {"raw", "softened", "impossible_raw", "impossible_softened"}
+    assert set(accuracy) == {"raw", "softened", "faint", "impossible_raw", "impossible_softened", "impossible_faint"}
     kinds = {f"{k}_best_prompt_score" for k in IMPOSSIBLE_KINDS}
     assert set(accuracy["impossible_softened"]) == kinds | {"mean_best_prompt_score"}
-    assert entry["impossible_fraction"] == 0.25 and entry["steps"] == 2
+    assert set(accuracy["impossible_faint"]) == kinds - {"empty_best_prompt_score"} | {"mean_best_prompt_score"}
+    assert entry["impossible_fraction"] == 0.25 and entry["faint_fraction"] == 0.0 and entry["steps"] == 2
     from flowrl.toy.judges import load_judge
 
     assert load_judge("attributes", tmp_path / "toy_attributes.safetensors").other_class is True
     with pytest.raises(ValueError, match="--impossible-fraction=1.0 must be in"):
         load_script("train_toy_judges").parse_args(["--judge", "attributes", "--impossible-fraction", "1"])
+    with pytest.raises(ValueError, match="--faint-fraction=1.5 must be in"):
+        load_script("train_toy_judges").parse_args(["--judge", "attributes", "--faint-fraction", "1.5"])
 
 
 def test_label_noise_redraws_count_and_colour_at_the_given_rates():

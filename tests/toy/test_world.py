@@ -163,3 +163,30 @@ def test_impossible_scenes_are_outside_the_world():
     assert images.shape == (10, 3, 32, 32) and all(len(i) == 4 for i in items)
     with pytest.raises(ValueError, match="impossible scene kind='six' is unknown"):
         world.impossible_items("six", generator)
+
+
+def test_faint_items_fades_and_shrinks_one_shape_where_the_gold_still_reads_it():
+    from flowrl.toy.exact import find_blobs
+
+    background, red = torch.tensor(BACKGROUND_RGB), torch.tensor(COLOUR_RGB["red"])
+    full = world.render_items([("red", "square")], 4)
+    faded = world.render_items([("red", "square")], 4, faint=(0, 0.7, 1.0))
+    inside = (full - red[:, None, None]).abs().amax(0) < 1e-6  # pixels fully inside the square
+    assert inside.any()
+    # by hand: a pixel fully inside the faded square is 0.7 of the way from the background to red
+    torch.testing.assert_close(faded[:, inside], (background + 0.7 * (red - background))[:, None].expand(3, int(inside.sum())))
+    shrunk = world.render_items([("red", "square")], 4, faint=(0, 1.0, 0.6))
+    drawn = [int(((image - background[:, None, None]).abs().amax(0) > 1e-6).sum()) for image in (full, shrunk)]
+    assert drawn[1] < 0.6 * drawn[0], drawn  # radius x 0.6: about 0.36 of the area, plus the anti-aliased rim
+    generator = torch.Generator().manual_seed(0)
+    kept = 0
+    for seed in range(20):
+        items = [("green", "triangle")] * 4
+        image = world.faint_items(items, seed, generator)
+        if image is not None:  # the gold still reads four green triangles, one of them fainter or smaller than the rest
+            kept += 1
+            blobs = find_blobs(image[None])[0]
+            assert [(b.colour, b.shape) for b in blobs] == items and min(b.area for b in blobs) < max(b.area for b in blobs)
+        circles = world.faint_items([("green", "circle")] * 4, seed, generator, same_shapes=False)
+        assert circles is not None and [b.colour for b in find_blobs(circles[None])[0]] == ["green"] * 4  # count, colour
+    assert kept >= 10 and world.faint_items([], 0, generator) is None

@@ -160,23 +160,21 @@ def evaluate_attributes(judge: AttributeJudge, num: int, seed: int) -> dict:
         result[name] = {h: round(correct[i].item() / total, 4) for i, h in enumerate(HEADS)}
         result[name]["all_three"] = round(joint / total, 4)
     generator = torch.Generator().manual_seed(seed + 2_000_000)
-    for name, augment in (("impossible_raw", False), ("impossible_softened", True)):
-        scores = {kind: [] for kind in IMPOSSIBLE_KINDS}
+    fadable = tuple(kind for kind in IMPOSSIBLE_KINDS if kind != "empty")  # an empty scene has no shape to fade
+    for name, augment, kinds in (
+        ("impossible_raw", False, IMPOSSIBLE_KINDS),
+        ("impossible_softened", True, IMPOSSIBLE_KINDS),
+        ("impossible_faint", True, fadable),
+    ):
+        scores = {kind: [] for kind in kinds}
         for start in range(0, num, 250):
-            for kind in IMPOSSIBLE_KINDS:  # an equal share of each kind
-                images, _ = impossible_batch(max(1, min(250, num - start) // len(IMPOSSIBLE_KINDS)), generator, (kind,))
+            for kind in kinds:  # an equal share of each kind
+                images, items = impossible_batch(max(1, min(250, num - start) // len(kinds)), generator, (kind,))
+                if kinds is fadable:
+                    images = make_faint(images, items, 1.0, generator, False)
                 scores[kind].append(best_prompt_score(judge(soften(images, generator) if augment else images)))
         result[name] = {f"{kind}_best_prompt_score": round(torch.cat(s).mean().item(), 4) for kind, s in scores.items()}
         result[name]["mean_best_prompt_score"] = round(torch.cat([torch.cat(s) for s in scores.values()]).mean().item(), 4)
-    scores = {kind: [] for kind in IMPOSSIBLE_KINDS if kind != "empty"}  # an empty scene has no shape to fade
-    for start in range(0, num, 250):
-        for kind in scores:
-            images, items = impossible_batch(max(1, min(250, num - start) // len(scores)), generator, (kind,))
-            scores[kind].append(best_prompt_score(judge(soften(make_faint(images, items, 1.0, generator, False), generator))))
-    result["impossible_faint"] = {f"{kind}_best_prompt_score": round(torch.cat(s).mean().item(), 4) for kind, s in scores.items()}
-    result["impossible_faint"]["mean_best_prompt_score"] = round(
-        torch.cat([torch.cat(s) for s in scores.values()]).mean().item(), 4
-    )
     return result
 
 

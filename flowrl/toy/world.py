@@ -281,8 +281,9 @@ def faint_items(
     """The scene of `items` with one item (drawn at random) faint: its colour faded to U(FAINT_STRENGTH) and its
     radius shrunk to U(FAINT_SCALE). None when the exact checker would not read the faint scene as the same number
     of shapes in the items' colours (and, with `same_shapes`, their shapes: the checker reads a faint circle's fill
-    as a square's), so a judge trained on it learns to count what the gold counts. Used by scripts/train_toy_judges.py against the hack it closes: four
-    shapes for "three", one of them dim or small, which the judge trained on full-strength scenes called three."""
+    as a square's), so a judge trained on it learns to count what the gold counts. Used by
+    scripts/train_toy_judges.py against the hack it closes: four shapes for "three", one of them dim or small, which
+    the judge trained on full-strength scenes called three."""
     from flowrl.toy.exact import find_blobs
 
     if not items:

@@ -168,7 +168,7 @@ def test_impossible_scenes_are_outside_the_world():
 def test_faint_items_fades_and_shrinks_one_shape_where_the_gold_still_reads_it():
     from flowrl.toy.exact import find_blobs
 
-    background, red = torch.tensor(BACKGROUND_RGB), torch.tensor(COLOUR_RGB["red"])
+    background, red, green = (torch.tensor(rgb) for rgb in (BACKGROUND_RGB, COLOUR_RGB["red"], COLOUR_RGB["green"]))
     full = world.render_items([("red", "square")], 4)
     faded = world.render_items([("red", "square")], 4, faint=(0, 0.7, 1.0))
     inside = (full - red[:, None, None]).abs().amax(0) < 1e-6  # pixels fully inside the square
@@ -187,6 +187,12 @@ def test_faint_items_fades_and_shrinks_one_shape_where_the_gold_still_reads_it()
             kept += 1
             blobs = find_blobs(image[None])[0]
             assert [(b.colour, b.shape) for b in blobs] == items and min(b.area for b in blobs) < max(b.area for b in blobs)
+            # independently of the checker: each drawn component's peak share of green (projection onto the
+            # background-to-green line, by the test's own flood fill); exactly one is faint, at most FAINT_STRENGTH[1]
+            offsets, line = image - background[:, None, None], green - background
+            share = torch.einsum("chw,c->hw", offsets, line) / line.square().sum()  # [H, W]
+            peaks = sorted(max(share[y, x].item() for y, x in c) for c in components(offsets.abs().amax(0) > 1e-6))
+            assert len(peaks) == 4 and peaks[0] <= world.FAINT_STRENGTH[1] + 1e-5 < 0.99 < peaks[1], peaks
         circles = world.faint_items([("green", "circle")] * 4, seed, generator, same_shapes=False)
         assert circles is not None and [b.colour for b in find_blobs(circles[None])[0]] == ["green"] * 4  # count, colour
     assert kept >= 10 and world.faint_items([], 0, generator) is None

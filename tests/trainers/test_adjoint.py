@@ -46,22 +46,32 @@ def test_memoryless_schedule_is_the_flow_grpo_step_with_a_sqrt2():
         memoryless_diffusion(1.0)
 
 
-def test_lean_adjoint_of_a_linear_field_matches_its_closed_form():
-    """v(x) = W x (σ-independent), r(x) = −‖x − y‖²/2: dã/dτ = (2Wᵀ + 1/τ)·ã backward from ã(1) = λ(x_1 − y), so
-    ã(τ) = τ·exp(−2(1 − τ)Wᵀ)·ã(1), whatever the trajectory (the field is linear)."""
+# The grids the shipped configs use: AM's 40 uniform steps from σ = 0.975 (configs/sd3/adjoint_matching_imagereward.yaml)
+# and the toy recipe's 10 (configs/toy/adjoint_matching.yaml). Fine grids hid a coarse-grid bug here once.
+SHIPPED_GRIDS = [(40, 0.975), (10, 0.975)]
+
+
+@pytest.mark.parametrize("num_steps,sigma_max", SHIPPED_GRIDS)
+def test_lean_adjoint_of_a_linear_field_matches_its_closed_form(num_steps, sigma_max):
+    """v(x) = W x (σ-independent), r(x) = −‖x − y‖²/2. The last transition is the rollout's plain Euler step, whose
+    adjoint is exact: ã_{T−1} = (I − h·Wᵀ)·ã_T. Before it the continuous lean adjoint dã/dτ = (2Wᵀ + 1/τ)·ã gives
+    ã(τ) = (τ/τ_{T−1})·exp(−2(τ_{T−1} − τ)Wᵀ)·ã_{T−1}, whatever the trajectory (the field is linear)."""
     torch.manual_seed(0)
     w = torch.tensor([[0.3, -0.5], [0.2, 0.1]])
-    num_steps, sigma_max, lam = 4000, 0.9, 2.0
-    sigmas = torch.linspace(sigma_max, 0, num_steps + 1)
+    lam = 2.0
+    sigmas = sde.dance_sigmas(num_steps, 1.0, sigma_max)
     latents = torch.randn(3, num_steps + 1, 2)  # any states: a linear field's Jacobian does not depend on them
     y = torch.tensor([0.5, -1.0])
     terminal = lam * (latents[:, -1] - y)  # −λ·∇r
-    keep = [0, 1000, 2500, 3999]
+    keep = list(range(num_steps))
     adjoints, velocities = lean_adjoint(lambda x, s: x @ w.T, latents, sigmas, terminal, keep)
+    h_last = float(sigmas[-2])
+    last = terminal @ (torch.eye(2) - h_last * w.T).T
+    tau_last = 1 - h_last
     for k in keep:
         tau = 1 - float(sigmas[k])
-        closed = tau * terminal @ torch.linalg.matrix_exp(-2 * (1 - tau) * w.T).T
-        assert torch.allclose(adjoints[k], closed, rtol=2e-3, atol=2e-4), k
+        closed = (tau / tau_last) * last @ torch.linalg.matrix_exp(-2 * (tau_last - tau) * w.T).T
+        assert torch.allclose(adjoints[k], closed, rtol=2e-3, atol=2e-5), k
         assert torch.allclose(velocities[k], latents[:, k] @ w.T)
 
 
@@ -75,11 +85,44 @@ def gaussian_velocity(mu, s):
     return v
 
 
-def conditional_bias(velocity, base, lam, y, mu_star, s_star, n=40000, num_steps=400, sigma_max=0.9):
-    """Largest regression coefficient (on 1 and x_k) of the AM residual over the grid, relative to the residual's
-    scale, for trajectories of the memoryless SDE of `velocity` started at the tilted marginal at σ_max."""
+def gaussian_adjoint_factor(tau: float, s: float, n: int = 20000) -> float:
+    """F(τ) = ã(τ)/ã(1) of the continuous lean adjoint for 1-D Gaussian data N(μ, s²): ln F = −∫_τ^1 (2·J(1 − t) + 1/t) dt
+    with J(σ) = (σ − (1 − σ)s²) / ((1 − σ)²s² + σ²) (the base velocity's slope), the 1/t part exact (ln τ), the
+    rest by Simpson's rule in float64."""
+    import math
+
+    t = torch.linspace(tau, 1, 2 * n + 1, dtype=torch.float64)
+    sigma = 1 - t
+    slope = (sigma - (1 - sigma) * s**2) / ((1 - sigma) ** 2 * s**2 + sigma**2)
+    weights = torch.ones_like(t)
+    weights[1:-1:2], weights[2:-1:2] = 4, 2
+    integral = float((weights * 2 * slope).sum()) * float(t[1] - t[0]) / 3
+    return math.exp(-integral + math.log(tau))
+
+
+@pytest.mark.parametrize("num_steps,sigma_max,tolerance", [(40, 0.975, 0.02), (10, 0.975, 0.08)])
+@pytest.mark.parametrize("s", [0.3, 0.8, 1.0])
+def test_lean_adjoint_of_a_gaussian_base_follows_the_continuous_adjoint_on_the_shipped_grids(num_steps, sigma_max, tolerance, s):
+    """The base model of 1-D Gaussian data (its velocity linear in x, its slope J(σ) rising from −1 at the data to ≈ 1
+    at the noise end) has the closed-form lean adjoint F(τ)·ã(1). At every grid index, including k = 0 where τ_0 =
+    0.025 (the first-order Euler recursion's factor 1 − h/τ_0 is ≈ 0 there: −102% at k = 0, −59% at k = 1 on the
+    40-step grid), the recursion stays within `tolerance` of it (measured: ≤ 0.1% on the 40-step grid)."""
+    sigmas = sde.dance_sigmas(num_steps, 1.0, sigma_max)
+    latents = torch.randn(2, num_steps + 1, 1, generator=torch.Generator().manual_seed(0))
+    terminal = torch.ones(2, 1)
+    adjoints, _ = lean_adjoint(
+        lambda z, sg: gaussian_velocity(0.3, s)(z, sg[:, None]), latents, sigmas, terminal, list(range(num_steps))
+    )
+    for k in range(num_steps):
+        closed = gaussian_adjoint_factor(1 - float(sigmas[k]), s)
+        assert float(adjoints[k][0, 0]) == pytest.approx(closed, rel=tolerance), (k, float(adjoints[k][0, 0]), closed)
+
+
+def conditional_bias(velocity, base, lam, y, mu_star, s_star, n=40000, num_steps=40, sigma_max=0.975, keep=None):
+    """{k: (largest regression coefficient of the AM residual on 1 and x_k, the residual's std)} at each trained grid
+    index, for trajectories of the memoryless SDE of `velocity` started at the tilted marginal at σ_max."""
     g = torch.Generator().manual_seed(1)
-    sigmas = torch.linspace(sigma_max, 0, num_steps + 1)
+    sigmas = sde.dance_sigmas(num_steps, 1.0, sigma_max)
     x = (1 - sigma_max) * (mu_star + s_star * torch.randn(n, generator=g)) + sigma_max * torch.randn(n, generator=g)
     states = [x]
     for k in range(num_steps):
@@ -90,31 +133,38 @@ def conditional_bias(velocity, base, lam, y, mu_star, s_star, n=40000, num_steps
         states.append(x)
     latents = torch.stack(states, 1)[:, :, None]  # [n, T+1, 1]
     terminal = lam * (latents[:, -1] - y)  # −λ∇r for r = −(x − y)²/2
-    keep = list(range(40, num_steps, 60))
+    keep = list(range(num_steps)) if keep is None else keep  # every index the loss may train (σ > 0)
     adjoints, v_base = lean_adjoint(lambda z, s: base(z, s[:, None]), latents, sigmas, terminal, keep)
-    worst = 0.0
+    worst = {}
     for k in keep:
         s = sigmas[k].expand(n)
         xk = latents[:, k]
         residual = adjoint_residual(velocity(xk, float(sigmas[k])), v_base[k], adjoints[k], s)[:, 0]
         design = torch.stack([torch.ones(n), (xk[:, 0] - xk[:, 0].mean()) / xk[:, 0].std()], 1)
         coef = torch.linalg.lstsq(design, residual[:, None]).solution[:, 0]
-        worst = max(worst, float(coef.abs().max()) / float(residual.std()))
+        worst[k] = (float(coef.abs().max()), float(residual.std()))
     return worst
 
 
 def test_am_residual_has_zero_conditional_mean_at_the_tilted_optimum():
     """Base data N(0.3, 0.8²), reward −(x − y)²/2, λ = 1.5: the tilt is N(μ*, s*²) with 1/s*² = 1/s² + λ,
     μ* = s*²(μ/s² + λy). With memoryless noise the optimal velocity is the flow-matching velocity of the tilt, so the
-    AM regression target's conditional mean given x_k is what that model predicts: the residual regresses to ≈ 0."""
+    AM regression target's conditional mean given x_k is what that model predicts: on AM's 40-step grid from
+    σ = 0.975 the residual regresses to ≈ 0 at every trained index k = 0 … 39, measured against the base model's
+    residual scale at the same index (the last transition is deterministic, so there the optimum's own residual
+    spread is ≈ 0 too); the base model's residual is far from it (1.13). A first-order Euler recursion of the adjoint
+    measures 0.59 (k = 0), 0.34 (k = 1), 0.25 (k = 2) here; what is left (≤ 0.042) is the Euler–Maruyama rollout's
+    own discretization: the tilted velocity is the optimum of the continuous process, not of its 40-step walk."""
     mu, s, lam, y = 0.3, 0.8, 1.5, 1.2
     s_star = (1 / s**2 + lam) ** -0.5
     mu_star = s_star**2 * (mu / s**2 + lam * y)
     base, tilted = gaussian_velocity(mu, s), gaussian_velocity(mu_star, s_star)
     at_optimum = conditional_bias(tilted, base, lam, y, mu_star, s_star)
     at_base = conditional_bias(base, base, lam, y, mu, s)
-    assert at_optimum < 0.03, at_optimum
-    assert at_base > 0.3, at_base
+    for k, (bias, _) in at_optimum.items():
+        base_bias, base_scale = at_base[k]
+        assert bias / base_scale < 0.06, (k, bias, base_scale)
+        assert base_bias / base_scale > 0.3, (k, base_bias, base_scale)
 
 
 def test_loss_clips_each_term_and_divides_by_the_element_count():

@@ -15,11 +15,13 @@ TEST_THREADS ?= 1
 
 venv: $(STAMP)
 
+# extras: ocr = rapidocr + onnxruntime (the default OCR backend, its models inside the wheel); tesseract =
+# pytesseract (pure Python), so the tesseract backend's tests run wherever the binary is (.ci/run installs it)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[test,ocr,video]"
+	$(PY) -m pip install -q -e ".[test,ocr,tesseract,video]"
 	touch $(STAMP)
 
 demo: $(STAMP)

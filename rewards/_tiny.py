@@ -121,7 +121,7 @@ def _temporal(folder: Path) -> dict[str, Any]:
 
 
 def _ocr(folder: Path) -> dict[str, Any]:
-    return {}  # the tesseract binary; OCRReward raises FileNotFoundError naming the package when it is missing
+    return {}  # the default backend (rapidocr) ships its models in its wheel: nothing to build
 
 
 def _per_frame(folder: Path) -> dict[str, Any]:

@@ -1,5 +1,9 @@
-"""OCR reward: 1 - normalized edit distance between the text quoted in the prompt and the text read by
-tesseract (through pytesseract). A prompt with no quoted text is not applicable (NaN).
+"""OCR reward: 1 - normalized edit distance between the text quoted in the prompt and the text read from the
+image. A prompt with no quoted text is not applicable (NaN).
+
+Readers (`backend`, rewards/_ocr_backends.py): "rapidocr" (default; PP-OCRv6 ONNX models shipped inside the
+rapidocr wheel, onnxruntime on the CPU, nothing to download and no system package) or "tesseract" (the Debian
+binary through pytesseract).
 
 Both strings are compared lowercased with whitespace removed; the distance is divided by the longer length,
 so the score is in [0, 1].
@@ -9,7 +13,6 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 from typing import Any
 
 import torch
@@ -17,6 +20,8 @@ import torch
 from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
+
+from ._ocr_backends import REQUIRES, build_reader
 
 QUOTED = re.compile(r"\"([^\"]+)\"|“([^”]+)”")
 
@@ -53,31 +58,23 @@ def text_similarity(target: str, read: str) -> float:
 class OCRReward:
     modalities = ("image",)
     differentiable = False
-    extra_requires = ("pytesseract",)
+    extra_requires = REQUIRES["rapidocr"]  # the default backend's; an instance holds its own backend's
 
     def __init__(
         self,
         device: Any = "cpu",
         dtype: torch.dtype = torch.float32,
-        backend: str = "tesseract",
+        backend: str = "rapidocr",
         tesseract_config: str = "--psm 6",
         min_height: int = 64,
     ):
-        if backend != "tesseract":
-            raise ValueError(f"ocr: backend={backend!r} is not available; use 'tesseract'")
-        try:
-            import pytesseract
-        except ImportError:
-            raise ImportError("ocr: pytesseract is not installed; pip install 'flowrl[ocr]'") from None
-        if shutil.which(pytesseract.pytesseract.tesseract_cmd) is None:
-            raise FileNotFoundError(
-                "ocr: the tesseract binary is not on PATH; install it (Debian: apt-get install tesseract-ocr)"
-            )
-        self.device, self.config, self.min_height = torch.device(device), tesseract_config, int(min_height)
-        self._pytesseract = pytesseract
+        # rapidocr runs onnxruntime on as many threads as torch has (one per process under `make test`)
+        self._reader = build_reader(backend, num_threads=torch.get_num_threads(), tesseract_config=tesseract_config)
+        self.backend, self.extra_requires = backend, REQUIRES[backend]
+        self.device, self.min_height = torch.device(device), int(min_height)
 
     def read(self, image: torch.Tensor) -> str:
-        """Text in one [3, H, W] image; small images are upscaled so tesseract sees glyphs tall enough."""
+        """Text in one [3, H, W] image; small images are upscaled so the reader sees glyphs tall enough."""
         from PIL import Image
 
         from flowrl.media import to_uint8
@@ -86,7 +83,7 @@ class OCRReward:
         if pil.height < self.min_height:
             scale = math.ceil(self.min_height / pil.height)
             pil = pil.resize((pil.width * scale, pil.height * scale), Image.BICUBIC)
-        return self._pytesseract.image_to_string(pil, config=self.config)
+        return self._reader(pil)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         check_inputs(self.registry_name, images, prompts, metadata)

@@ -1,10 +1,33 @@
-"""Shared test setup: offline hub (no test may download) and CPU determinism."""
+"""Shared test setup: offline hub (no test may download), CPU determinism, and system programs a test needs."""
 
 import os
+import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
+
+REQUIRE_SYSTEM_PROGRAMS = "FLOWRL_REQUIRE_SYSTEM_PROGRAMS"
+
+
+def require_program(names: str | tuple[str, ...], install_hint: str) -> str:
+    """The path of the first of `names` on PATH. When none is there the test skips with a reason naming the
+    program and its install command, or fails where FLOWRL_REQUIRE_SYSTEM_PROGRAMS=1 (.ci/run sets it, so CI
+    never passes by skipping the tesseract and Chromium tests)."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    for name in names:
+        if path := shutil.which(name):
+            return path
+    missing = f"{' or '.join(names)} is not on PATH (install: {install_hint})"
+    if os.environ.get(REQUIRE_SYSTEM_PROGRAMS) == "1":
+        pytest.fail(f"{missing}; {REQUIRE_SYSTEM_PROGRAMS}=1 makes a missing system program a failure", pytrace=False)
+    pytest.skip(f"{missing}; .ci/run installs it and sets {REQUIRE_SYSTEM_PROGRAMS}=1")
+
+
+@pytest.fixture(scope="session", name="require_program")
+def require_program_fixture():
+    """require_program(names, install_hint) -> path, for tests and fixtures (see the function above)."""
+    return require_program
 
 
 @pytest.fixture(scope="session")

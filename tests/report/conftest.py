@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 
@@ -12,11 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
-def chromium(tmp_path_factory):
-    """A real headless Chromium (Debian's `chromium`, installed by .ci/run); one browser for the session."""
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    if binary is None:
-        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium; .ci/run does this)")
+def chromium(tmp_path_factory, require_program):
+    """A real headless Chromium (Debian's `chromium`, installed by .ci/run); one browser for all the tests."""
+    binary = require_program(("chromium", "chromium-browser"), "apt-get install -y chromium")
     pytest.importorskip("websocket", reason="websocket-client is in the test extra")
     from chromium_page import ChromiumPage
 

@@ -1,10 +1,11 @@
-"""ocr (real tesseract on PIL-rendered text), jpeg rewards, per_frame, media I/O and the CLI commands."""
+"""ocr (real rapidocr and tesseract on PIL-rendered text), jpeg rewards, per_frame, media I/O and the CLI commands."""
 
 from __future__ import annotations
 
 import io
 import json
-import shutil
+import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,15 +43,54 @@ def test_quoted_text_and_similarity():
     assert text_similarity("abc", "") == 0.0
 
 
-@pytest.mark.skipif(shutil.which("tesseract") is None, reason="tesseract binary not installed (apt-get install tesseract-ocr)")
-def test_ocr_reads_rendered_text():
-    reward = REWARDS.build("ocr")
+def test_ocr_rapidocr_reads_rendered_text_exactly():
+    reward = REWARDS.build("ocr")  # the default backend
+    assert reward.backend == "rapidocr" and reward.extra_requires == ("rapidocr", "onnxruntime")
+    for text in ["FLOW RL", "HELLO", "Open Late", "QUIET ZONE"]:
+        assert reward.read(render_text(text)) == text
+    images = torch.stack([render_text("FLOW RL"), render_text("HELLO"), render_text("FLOW RL")])
+    prompts = ['a poster that says "FLOW RL"', 'a poster that says "FLOW RL"', "a poster with no text"]
+    scores = reward(images, prompts, [{}] * 3).scores
+    assert scores[0] == 1.0
+    assert scores[1] <= 0.5
+    assert torch.isnan(scores[2])
+    assert reward.read(torch.full((3, 64, 64), 0.5)) == ""  # no text found: an empty read, score 0 for any target
+
+
+def test_ocr_rapidocr_never_downloads(monkeypatch):
+    """Its models are the files inside the rapidocr wheel: building and reading work with every connection refused."""
+    import rapidocr
+
+    from flowrl.rewards._ocr_backends import RAPIDOCR_MODELS
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"ocr: a network connection was attempted: {args[1:]}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    models = Path(rapidocr.__file__).parent / "models"
+    before = {p.name: p.stat().st_mtime for p in models.iterdir()}  # the wheel's files, unchanged after: none fetched
+    assert set(RAPIDOCR_MODELS.values()) <= set(before)
+    reward = REWARDS.build("ocr", backend="rapidocr")
+    assert reward.read(render_text("HELLO")) == "HELLO"
+    assert {p.name: p.stat().st_mtime for p in models.iterdir()} == before
+
+
+def test_ocr_tesseract_reads_rendered_text(require_program):
+    require_program("tesseract", "apt-get install -y tesseract-ocr")
+    reward = REWARDS.build("ocr", backend="tesseract")
+    assert reward.extra_requires == ("pytesseract",)
     images = torch.stack([render_text("FLOW RL"), render_text("HELLO"), render_text("FLOW RL")])
     prompts = ['a poster that says "FLOW RL"', 'a poster that says "FLOW RL"', "a poster with no text"]
     scores = reward(images, prompts, [{}] * 3).scores
     assert scores[0] >= 0.9
     assert scores[1] <= scores[0] - 0.5
     assert torch.isnan(scores[2])
+
+
+def test_ocr_rejects_an_unknown_backend():
+    with pytest.raises(ValueError, match=r"ocr: backend='easyocr' .*valid values: 'rapidocr', 'tesseract'"):
+        REWARDS.build("ocr", backend="easyocr")
 
 
 def test_jpeg_rewards_follow_encoded_size():
@@ -140,7 +180,7 @@ def test_media_roundtrip(tmp_path):
 def test_cli_rewards_list_and_score(tmp_path, capsys):
     assert main(["rewards", "list", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert rows["pickscore"]["differentiable"] is True and rows["ocr"]["extra_requires"] == ["pytesseract"]
+    assert rows["pickscore"]["differentiable"] is True and rows["ocr"]["extra_requires"] == ["rapidocr", "onnxruntime"]
     assert rows["per_frame"]["modalities"] == ["video"] and set(REWARDS.names()) == set(rows)
 
     images = [torch.full((3, 32, 32), 0.5), torch.rand(3, 32, 32)]

@@ -10,8 +10,10 @@ scores above an impossible one, where both score ~0 without it. Range [-λ, 1].
 
 Each head of the shipped judge also has an "other" class (flowrl/toy/judges.py) trained on scenes the world never
 draws, so its softmax spreads over 4 / 5 / 4 classes: no shape, four or five shapes, two colours or two shapes in one
-scene score near 0 for every prompt (held-out mean of the best prompt's score 0.0005; the first, count-blind judge,
-kept as tests/toy/fixtures/toy_attributes_countblind.safetensors and loadable with `checkpoint=`, gave them 0.97).
+scene score near 0 for every prompt (held-out mean of the best prompt's score 0.0017 raw, 0.0022 softened; the first,
+count-blind judge, kept as tests/toy/fixtures/toy_attributes_countblind.safetensors and loadable with `checkpoint=`,
+gave them 0.97). It was also trained on scenes with one shape faded and shrunk (`--faint-fraction 0.25`), so three
+clean shapes beside a faint fourth score 0.003 for "three ..." (docs/toy.md#judges).
 """
 
 from __future__ import annotations

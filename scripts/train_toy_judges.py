@@ -1,8 +1,8 @@
 """Train the Shapes world's judges on fresh renders and measure them on held-out renders.
 
-    python scripts/train_toy_judges.py --judge attributes   # -> flowrl/toy/weights/toy_attributes.safetensors
+    python scripts/train_toy_judges.py --judge attributes --seed 2 --faint-fraction 0.25   # -> toy_attributes.safetensors
     python scripts/train_toy_judges.py --judge artifact     # -> flowrl/toy/weights/toy_artifact.safetensors
-    python scripts/train_toy_judges.py --judge attributes --evaluate-only   # accuracy of the shipped judge
+    python scripts/train_toy_judges.py --judge attributes --evaluate-only --seed 2   # the shipped judge, as in manifest.json
 
 Training data are endless new scenes of all 36 combinations (the judges must know every combination),
 softened like model samples (slight blur, faint noise). The attribute judge also sees scenes the world never
@@ -10,7 +10,8 @@ draws (`--impossible-fraction` of each batch: no shape, four or five, two colour
 labelled with each head's "other" class, so a count or colour outside the world cannot pass for a prompt's.
 `--faint-fraction` of the scenes of both kinds have one shape faint (faded and shrunk, `faint_items`) where the exact
 checker still reads the same shapes, so a dim or small extra shape counts for the judge as it does for the gold (the
-shipped judge, 0 here, scores four shapes for "three ..." near 1 when one is dim; docs/toy.md#judges).
+shipped judge has 0.25; a judge trained with 0 scores four shapes for "three ..." near 1 when one is dim;
+docs/toy.md#judges).
 The artifact judge sees half clean scenes and half scenes with one corruption each (noise, blocking, stripes,
 saturation). Held-out accuracy is measured on scenes drawn from a generator seeded apart from training
 (seed + 1,000,000), raw and softened; for the attribute judge also the mean score the best of the 36 prompts
@@ -75,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise ValueError(f"--impossible-fraction={args.impossible_fraction} must be in [0, 1); 0.25 is the shipped judge's")
     if not 0.0 <= args.faint_fraction <= 1.0:
         raise ValueError(
-            f"--faint-fraction={args.faint_fraction} must be in [0, 1]; 0 is the shipped judge's, 0.25 the retrained"
+            f"--faint-fraction={args.faint_fraction} must be in [0, 1]; 0.25 is the shipped judge's, 0 leaves faint shapes out"
         )
     if args.quick:
         args.num_eval = min(args.num_eval, 256)

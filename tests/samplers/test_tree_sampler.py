@@ -1,5 +1,5 @@
 """The tree sampler (samplers/tree.py, BranchGRPO) on the shipped toy model: its forward count, shared prefixes, exact
-edge log-probs, chunking, and GRPO training on its edges."""
+edge log-probs, chunking, and GRPO training on its edges (rewarded by `Redness`, whose spread is built in)."""
 
 import dataclasses
 import math
@@ -11,7 +11,7 @@ from flowrl.models import load_flow_model
 from flowrl.registry import SAMPLERS
 from flowrl.trainers import build_config
 from flowrl.trainers.grpo import GRPOTrainer, transition_advantages
-from flowrl.types import PromptBatch
+from flowrl.types import PromptBatch, RewardOutput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -41,6 +41,25 @@ class OneRowAtATime:
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).reshape(-1).expand(n)
         rows = [{key: value[i : i + 1] for key, value in cond.items()} for i in range(n)]
         return torch.cat([self.model.velocity(latents[i : i + 1], sigma[i : i + 1], rows[i], guidance_scale) for i in range(n)])
+
+
+class Redness:
+    """The training runs' reward: how much redder than green and blue an image is, on average (as
+    tests/trainers/redness.py). Two different images score apart, so a tree's leaves have reward spread by
+    construction, whatever the toy judges score them (the learned judge can give a tree's four leaves one saturated
+    score, and its advantages are then exactly 0)."""
+
+    modalities = ("image",)
+    differentiable = True
+
+    def __init__(self, device="cpu", dtype=torch.float32):
+        pass
+
+    def __call__(self, images, prompts, metadata):
+        return RewardOutput((images[:, 0] - images[:, 1:].mean(1)).mean((1, 2)))  # [N]
+
+
+REWARD = f"{__name__}.Redness"  # the registries' dotted-path fallback; this module is already imported
 
 
 def tree(**kw):
@@ -210,7 +229,7 @@ def toy_tree_config(tmp_path, **overrides):
             "branching": 2,
             "split_noise_scale": 2.0,
         },
-        "rewards": [{"name": "toy_attributes"}],
+        "rewards": [{"name": REWARD}],
         "balancer": {"name": "weighted_sum", "std": "group"},
         "train": {
             "learning_rate": 0.0,
@@ -272,6 +291,7 @@ def test_on_policy_ratio_of_every_edge_is_exactly_one(tmp_path, precision, rowwi
 
     trainer._optimise = optimise
     metrics = trainer.train_step()
+    assert metrics["train/zero_std_fraction"] == 0.0, metrics  # the reward tells every tree's leaves apart
     if rowwise:
         assert metrics["train/ratio_min"] == 1.0 and metrics["train/ratio_max"] == 1.0, metrics
         assert metrics["train/approx_kl"] == 0.0

@@ -15,13 +15,20 @@ from flowrl.recipes import variants
 from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.trainers import TRAINERS, build_config
 
-REWARDS = [{"name": "toy_attributes"}, {"name": "toy_artifact"}]  # two, so every balancer has something to balance
+# Two, so every balancer has something to balance; both built for the test (importable here and in the 2-process
+# worker, which runs from this folder). Redness differs for any two different images, so every group has reward spread
+# by construction, where a learned judge can score a group's tiny samples all alike (advantages exactly 0). The second,
+# tanh(10 · redness), ranks a group's samples as redness does: two rewards that rank a group of 2 oppositely give it
+# per-reward advantages that cancel (GDPO's sum, MARBLE's min-norm gradient), and what is left of them is float32
+# noise on which 2 processes and 1 disagree (measured with toy_artifact as the second reward, candidate pools of ODE
+# samples: NFT + MARBLE's grad norm 6.933e-5 vs 6.934e-5, RAM + GDPO's weights 5.0e-5 apart).
+REWARDS = [{"name": "redness.RednessReward"}, {"name": "steep_redness.SteepRednessReward"}]
 SHARED_SAMPLER = {"num_steps": 2, "height": 16, "width": 16, "guidance_scale": 1.0}
 SAMPLER_SETTINGS = {  # per sampler name, on top of SHARED_SAMPLER
     "tree": {"split_steps": [0], "branching": 2},  # one split: a tree of 2 leaves per prompt group
     "candidates": {"pool_size": 3, "preview_backend": "few_step", "preview_num_steps": 1},
 }
-BALANCER_SETTINGS = {"sa_mrpo": {"bounds": {"toy_attributes": [0.0, 1.0], "toy_artifact": [0.0, 1.0]}}}
+BALANCER_SETTINGS = {"sa_mrpo": {"bounds": {reward["name"]: [-1.0, 1.0] for reward in REWARDS}}}
 TRAIN = {  # keys a recipe's config class lacks are dropped
     "learning_rate": 3e-3,
     # Adam's first step moves a weight by lr·g/(|g| + ε), which is steepest at |g| ≈ ε (slope lr/4ε): with ε = 1e-6 and

@@ -3,6 +3,10 @@
 Parametrized over `TRAINERS`, so a recipe added later is covered without editing this file: one step trains and
 logs `train/loss`, and a run resumed from its checkpoint ends bit for bit where the uninterrupted run ends
 (trainable weights, EMA, optimizer state, scheduler and counters).
+
+The reward is tests/trainers/redness.py's: differentiable (adjoint matching needs its gradient) and different for any
+two different images, so a group of two always has reward spread, whatever the toy judges score its samples (the
+learned judge can give both one saturated score: advantages exactly 0, weights that do not move).
 """
 
 import dataclasses
@@ -19,6 +23,7 @@ from flowrl.trainers import TRAINERS, build_config, build_trainer
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 PROMPTS = ["two red circles", "one blue square", "three green triangles"]
+REWARD = "redness.RednessReward"  # the registries' dotted-path fallback: tests/trainers is on sys.path
 SAMPLER = {"name": "sde", "num_steps": 2, "guidance_scale": 1.0, "noise_level": 0.8}
 RECIPE_SAMPLERS = {  # recipes that need a particular rollout (each refuses any other at config time)
     "adjoint_matching": {**SAMPLER, "noise_level": 2**0.5, "sigma_schedule": "dance", "sigma_shift": 1.0, "sigma_max": 0.9},
@@ -46,7 +51,7 @@ def toy_config(tmp_path, trainer, **overrides):
         "model": {"path": "toy", "lora_rank": 4, "lora_alpha": 4},
         "data": {"prompts": PROMPTS[:2], "num_prompts_per_step": 1, "group_size": 2},
         "sampler": dict(RECIPE_SAMPLERS.get(trainer, SAMPLER)),
-        "rewards": [{"name": "toy_attributes"}],
+        "rewards": [{"name": REWARD}],
         "balancer": {"name": "weighted_sum", "std": "group"},
         "train": {k: v for k, v in train.items() if k in fields},
         "eval": {"num_steps": 1, "seeds": [0], "num_prompts": 1, "prompts": PROMPTS[:1]},
@@ -78,6 +83,14 @@ def assert_same(a, b, where="state"):
         assert a == b, (where, a, b)
 
 
+def has_reward_signal(metrics: dict) -> bool:
+    """A step's rewards told its samples apart: every group has spread (the recipes that build advantages), or the
+    reward's gradient is non-zero (adjoint matching, which regresses on it)."""
+    if "train/zero_std_fraction" in metrics:
+        return metrics["train/zero_std_fraction"] == 0.0
+    return metrics["train/grad_reward_norm"] > 0.0
+
+
 @pytest.fixture(scope="module")
 def straight_runs(tmp_path_factory):
     """trainer name -> (config, trainer, trainable weights before training) of an uninterrupted 2-step run with a
@@ -90,6 +103,8 @@ def straight_runs(tmp_path_factory):
             trainer = build_trainer(cfg)
             before = trainable(trainer)
             trainer.train()
+            lines = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+            assert all(map(has_reward_signal, lines)), lines  # else a step has nothing to learn from
             cache[name] = cfg, trainer, before
         return cache[name]
 

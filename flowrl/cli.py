@@ -161,17 +161,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    import json
-
-    from flowrl.demo import run_demo
+    from flowrl.demo import run_demo, summary_text
 
     summary = run_demo(args.overrides, output_dir=args.out)
-    print(json.dumps(summary, indent=2))
-    for step, name, reason in summary["hacking_flags"]:
-        print(f"reward hacking? demo: {name} {reason} at {step} while a training reward rose", file=sys.stderr)
-    if not summary["hacking_flagged"]:
-        pairs = ", ".join(f"{g} vs {t}" for g, t in summary["hacking_pairs"].items()) or "no pair"
-        print(f"hacking panel: nothing flagged ({pairs})", file=sys.stderr)
+    print(summary_text(summary))  # the whole record is summary.json, whose path it ends with
     return 0
 
 
@@ -422,7 +415,8 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         "--hacking-margin",
         type=float,
         default=0.02,
-        help="flag a gold reward or diversity that falls by more than this (absolute) while a training reward rises",
+        help="flag a gold reward or diversity when the 95%% one-sided bootstrap lower bound of its fall (paired over "
+        "the eval samples) is above this (absolute) while a training reward rises",
     )
     p.add_argument(
         "--hacking-pair",
@@ -430,7 +424,8 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="GOLD=TRAIN",
         help="pair a gold reward with the training reward it also measures (repeatable), e.g. "
-        "toy_exact=toy_attributes: flag GOLD when TRAIN gains more than the margin over it on the same samples",
+        "toy_exact=toy_attributes: flag GOLD when the 95%% bootstrap lower bound of TRAIN's gain over it, on the "
+        "same samples, is above the margin",
     )
     p.add_argument("--thumb", type=int, default=128, help="largest image height in the page and grids, in pixels")
 

@@ -12,7 +12,9 @@ prompt x `SUMMARY_SEEDS` fixed seeds, ODE):
   and `artifact` (the mean `toy_artifact` reward).
 
 The report pairs `toy_exact` (a gold reward of the config's eval) with `toy_attributes`, so its hacking panel
-flags a gap between the two on the eval's samples; `summary.json` says whether it did (`hacking_flagged`).
+flags a gap between the two on the eval's samples (a paired bootstrap, `flowrl.report.hacking`); `summary.json`
+says whether it did (`hacking_flagged`, `hacking_flags`) and which tests came close (`hacking_near`).
+`summary_text` is what `flowrl demo` prints at the end: a before/after table, the panel's verdict and the paths.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 CONFIG = Path(__file__).parent / "toy" / "grpo.yaml"
 SUMMARY_SEEDS = 16  # held-out prompts x this many seeds for the before/after numbers
 HACKING_PAIRS = {"toy_exact": "toy_attributes"}  # gold reward -> the training reward it also measures
+HACKING_MARGIN = 0.02  # the report's margin (absolute, in the rewards' units)
 
 
 @torch.no_grad()
@@ -82,7 +85,8 @@ def judge_checkpoint(cfg) -> str | None:
 
 
 def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> dict:
-    from flowrl.report import build_report
+    from flowrl.report import build_report, hacking_rows, load_run
+    from flowrl.report.hacking import near_misses
     from flowrl.trainers import build_trainer, load_config
 
     started = time.perf_counter()
@@ -117,15 +121,67 @@ def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> di
     run = trainer.run
     run.summary.write_text(json.dumps(summary, indent=2))  # before the report, which shows it
     pairs = hacking_pairs(cfg)
-    report = build_report(run.root, out_dir=run.report, hacking_pairs=pairs)
+    report = build_report(run.root, out_dir=run.report, hacking_margin=HACKING_MARGIN, hacking_pairs=pairs)
     reasons = report["flag_reasons"][next(iter(report["flag_reasons"]))]  # the one run's (eval, reward, reason)
+    near = near_misses(hacking_rows(load_run(run.root), HACKING_MARGIN, pairs))
     summary.update(
         {
             "report": report["index"],
+            "run_dir": str(run.root),
             "hacking_pairs": pairs,
+            "hacking_margin": HACKING_MARGIN,
             "hacking_flagged": bool(reasons),
             "hacking_flags": [list(r) for r in reasons],
+            "hacking_near": [list(r) for r in near],
         }
     )
     run.summary.write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def summary_text(summary: dict) -> str:
+    """What `flowrl demo` prints at the end: held-out numbers before and after, the wall time, the hacking panel's
+    verdict in one line (and its closest call when nothing is flagged), and where the report and summary.json are."""
+    n = summary["heldout_samples"]
+
+    def row(label: str, before: str, after: str, change: str, note: str) -> str:
+        return f"{label:<18}{before:>10}{after:>10}{change:>12}   {note}"
+
+    def pct(key: str) -> tuple[str, str, str]:
+        b, a = summary[f"{key}_before"], summary[f"{key}_after"]
+        return f"{100 * b:.1f}%", f"{100 * a:.1f}%", f"{100 * (a - b):+.1f} pts"
+
+    def count(key: str) -> tuple[str, str, str]:
+        b, a = (round(summary[f"{key}_{when}"] * n) for when in ("before", "after"))
+        return f"{b}/{n}", f"{a}/{n}", f"{a - b:+d}"
+
+    b, a = summary["artifact_before"], summary["artifact_after"]
+    pairs = ", ".join(f"{g} vs {t}" for g, t in summary.get("hacking_pairs", {}).items()) or "no pair"
+    margin = summary.get("hacking_margin", HACKING_MARGIN)
+    flags, near = summary.get("hacking_flags", []), summary.get("hacking_near", [])
+    if flags:
+        step, name, reason = flags[0]
+        more = f" (and {len(flags) - 1} more: see the report)" if len(flags) > 1 else ""
+        panel = [f"hacking panel: FLAGGED: {name} {reason} at {step}{more}"]
+    else:
+        panel = [f"hacking panel: nothing flagged ({pairs}; paired bootstrap, 95% one-sided, margin {margin:g})"]
+        if near:
+            step, name, sentence = max(near, key=lambda r: r[0])  # the last eval's, if several
+            panel.append(f"  closest call at {step}: {name} {sentence}")
+    run_dir = summary.get("run_dir")
+    lines = [
+        f"flowrl demo: GRPO on the Shapes world, {summary['num_steps']} steps, seed {summary['seed']}; "
+        f"held-out numbers on {n} samples (ODE)",
+        "",
+        row("", "before", "after", "change", ""),
+        row("gold accuracy", *pct("exact_accuracy"), "toy_exact: exactly the prompt's count, colour and shape"),
+        row("judge accuracy", *pct("judge_accuracy"), "toy_attributes, the training reward"),
+        row("impossible counts", *count("impossible_count"), "no shape, or four and more"),
+        row("artifact", f"{b:.4f}", f"{a:.4f}", f"{a - b:+.4f}", "toy_artifact, mean (1 = clean)"),
+        f"{'wall time':<18}{summary['wall_s'] / 60:.1f} min ({summary['wall_s']:.0f} s: training and the held-out numbers)",
+        "",
+        *panel,
+        f"report: {summary['report']}",
+        *([f"numbers: {Path(run_dir) / 'summary.json'}"] if run_dir else []),
+    ]
+    return "\n".join(line.rstrip() for line in lines)

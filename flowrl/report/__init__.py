@@ -17,10 +17,11 @@ RUN_DIR/report/):
 Malformed input (no eval/, a scores.json that is not JSON or breaks the format, a broken metrics.jsonl
 line before the last) raises ValueError / FileNotFoundError with one line naming the file and the fix.
 
-Reward hacking: at each eval step after base, a gold reward or the diversity is flagged when it fell by more
-than `hacking_margin` (absolute, in the reward's units) from base while at least one training reward rose;
-a gold reward paired with a training reward (`hacking_pairs`) is also flagged when, on the same samples, the
-training reward's gain exceeds its own by more than the margin (`flowrl.report.hacking`).
+Reward hacking: at each eval step after base, a gold reward or the diversity is flagged when the one-sided 95%
+lower bound of a paired bootstrap of its fall (per sample; per prompt for the diversity) is above `hacking_margin`
+(absolute, in the reward's units) while at least one training reward rose; a gold reward paired with a training
+reward (`hacking_pairs`) is also flagged when the same bound on the training reward's gain over it, on the same
+samples, is above the margin. The panel lists the samples that moved most (`flowrl.report.hacking`).
 
 Modules: runs (reading a run folder), scores (checking scores.json), grid (grid PNGs and number format),
 curves (training curves), hacking (the panel's rules, plot and HTML), page (index.html), writer (build_report).

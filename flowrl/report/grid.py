@@ -49,12 +49,13 @@ class GlyphPainter:
 
 
 def fmt(value: float | None) -> str:
-    """How every number appears in the report: 4 significant digits; n/a for not applicable."""
-    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.4g}"
+    """How every number appears in the report: 3 significant digits; n/a for not applicable."""
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3g}"
 
 
 def fmt_delta(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:+.4g}"
+    """A change: 3 significant digits with its sign; n/a for not applicable."""
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:+.3g}"
 
 
 def display_height(height: int, thumb: int, min_height: int = 64) -> int:

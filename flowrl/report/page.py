@@ -40,9 +40,10 @@ def data_uri(data: bytes, mime: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
-def image_tag(path: Path, thumb: int) -> str | None:
+def image_tag(path: Path, thumb: int, alt: str | None = None) -> str | None:
     """An <img> with the file inline as a data URI; shrunk to `thumb` pixels high when larger (GIFs keep their
-    frames), small images shown enlarged with square pixels. None when the file is missing."""
+    frames), small images shown enlarged with square pixels; `alt` defaults to the file name. None when the file
+    is missing."""
     if not path.is_file():
         return None
     raw = path.read_bytes()
@@ -70,7 +71,7 @@ def image_tag(path: Path, thumb: int) -> str | None:
             else:
                 image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC).save(buffer, format="PNG")
             raw = buffer.getvalue()
-    return f'<img alt="{esc(path.name)}" width="{width}" height="{height}" src="{data_uri(raw, mime)}">'
+    return f'<img alt="{esc(path.name if alt is None else alt)}" width="{width}" height="{height}" src="{data_uri(raw, mime)}">'
 
 
 def esc(value: Any) -> str:
@@ -99,6 +100,7 @@ td.flag{background:#fdd;font-weight:bold}
 .missing{display:inline-block;width:64px;height:64px;background:#ccc;font-size:11px}
 pre{background:#f6f6f6;padding:.6em;overflow-x:auto;font-size:12px}
 img.plot{max-width:100%}
+.hacking-evidence img{image-rendering:pixelated}
 """
 
 

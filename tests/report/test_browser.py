@@ -40,8 +40,8 @@ def test_report_of_a_small_real_run_in_chromium(chromium, evaluated_run, tmp_pat
     base = json.loads((run / "eval" / "base" / "scores.json").read_text())
     later = json.loads((run / "eval" / "step_000002" / "scores.json").read_text())
     num_samples = len(base["samples"])
-    # every sample of both evals, plus the curves and the hacking plot
-    assert len(facts["images"]) == 2 * num_samples + 2
+    # every sample of both evals, plus the curves and the hacking plot (and the hacking panel's evidence, if any)
+    assert len([i for i in facts["images"] if not i["alt"].startswith("evidence ")]) == 2 * num_samples + 2
     cells = {
         (c.get("kind", "value"), c["step"], c["reward"], c["prompt"]): c["text"]
         for c in facts["cells"]
@@ -52,26 +52,28 @@ def test_report_of_a_small_real_run_in_chromium(chromium, evaluated_run, tmp_pat
         for p in range(len(base["prompts"])):
             for scores in (base, later):
                 shown = _number(cells["value", scores["label"], reward, str(p)])
-                assert shown == pytest.approx(scores["per_prompt"][reward][p], rel=1e-3)
+                assert shown == pytest.approx(scores["per_prompt"][reward][p], rel=5e-3)
                 checked += 1
             delta = later["per_prompt"][reward][p] - base["per_prompt"][reward][p]
-            assert _number(cells["delta", "step_000002", reward, str(p)]) == pytest.approx(delta, rel=1e-3, abs=1e-6)
+            assert _number(cells["delta", "step_000002", reward, str(p)]) == pytest.approx(delta, rel=5e-3, abs=1e-6)
         for scores in (base, later):
-            assert _number(cells["value", scores["label"], reward, "all"]) == pytest.approx(scores["means"][reward], rel=1e-3)
-            assert _number(cells["overview", scores["label"], reward, "all"]) == pytest.approx(scores["means"][reward], rel=1e-3)
+            assert _number(cells["value", scores["label"], reward, "all"]) == pytest.approx(scores["means"][reward], rel=5e-3)
+            assert _number(cells["overview", scores["label"], reward, "all"]) == pytest.approx(scores["means"][reward], rel=5e-3)
     for scores in (base, later):
         for p, value in enumerate(scores["diversity"]["per_prompt"]):
-            assert _number(cells["value", scores["label"], "diversity", str(p)]) == pytest.approx(value, rel=1e-3)
+            assert _number(cells["value", scores["label"], "diversity", str(p)]) == pytest.approx(value, rel=5e-3)
     assert checked == 8
     # the gold reward is the training reward's negative: flagged exactly when the training reward rose by > margin
+    # with 95% confidence: the per-sample fall's bootstrap lower bound is above the margin too
     rise = later["means"]["jpeg_incompressibility"] - base["means"]["jpeg_incompressibility"]
+    bound = hacking_rows(load_run(run), 0.02)[0]["falls"]["jpeg_compressibility"]["bound"]
     flagged = {(f["step"], f["reward"]) for f in facts["flags"]}
-    assert (("step_000002", "jpeg_compressibility") in flagged) == (rise > 0.02)
+    assert (("step_000002", "jpeg_compressibility") in flagged) == (rise > 0.02 and bound > 0.02)
     assert set(result["flags"]["tiny_sd3"]) == flagged
     assert rise != 0
     for margin in (abs(rise) * 0.9, abs(rise) * 1.1):  # just under and just over the fall
         rows = hacking_rows(load_run(run), margin)
-        assert ("jpeg_compressibility" in rows[0]["flagged"]) == (rise > 0 and abs(rise) > margin)
+        assert ("jpeg_compressibility" in rows[0]["flagged"]) == (rise > 0 and abs(rise) > margin and bound > margin)
     for caption in ("a red circle", "two blue squares", "jpeg_compressibility", "Environment", "torch"):
         assert caption in facts["text"]
     assert "path: tiny-sd3" in facts["text"]  # the run's config
@@ -124,5 +126,5 @@ def test_compare_in_chromium(chromium, tmp_path):
             and c["step"] == "step_000010"
             and c["reward"] == "toy_artifact"
         ]
-        assert len(shown) == 1 and _number(shown[0]["text"]) == pytest.approx(later["means"]["toy_artifact"], rel=1e-3)
+        assert len(shown) == 1 and _number(shown[0]["text"]) == pytest.approx(later["means"]["toy_artifact"], rel=5e-3)
     assert "flowrl report: alpha, beta" in facts["text"]

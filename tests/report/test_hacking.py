@@ -1,5 +1,6 @@
 """The reward-hacking panel's gap rule: a gold reward paired with the training reward it also measures is flagged when,
-on the same samples, the training reward rose and gained more than the margin over the gold one."""
+on the same samples, the training reward rose and gained significantly and more than the margin over the gold one.
+Every sample here moves by the same amount, so the bootstrap bound equals the mean and the margin decides."""
 
 from __future__ import annotations
 
@@ -30,8 +31,11 @@ def test_gap_flags_a_gold_reward_that_rises_less_than_its_training_reward(tmp_pa
         assert (pair["train_gain"], pair["gold_gain"], pair["gap"]) == pytest.approx((0.25 * k, 0.0625 * k, 0.1875 * k))
         assert pair["flagged"] and row["watch"][EXACT][2] and not row["watch"][GOLD][2]
         assert row["flagged"] == [EXACT, "diversity"]  # the unpaired artifact judge stays flat: not flagged
-        assert row["reasons"][EXACT] == [f"gained {0.1875 * k:.4g} less than {TRAIN} on the same 6 samples"]
-        assert row["reasons"]["diversity"] == [f"fell by {0.1 * k:.4g}"]
+        gap = f"{0.1875 * k:.3g}"
+        assert row["reasons"][EXACT] == [f"gained {gap} less than {TRAIN} on the same 6 samples (95% lower bound {gap})"]
+        fall = f"{0.1 * k:.3g}"
+        assert row["reasons"]["diversity"] == [f"fell by {fall} on the same 2 prompts (95% lower bound {fall})"]
+        assert pair["bound"] == pytest.approx(0.1875 * k) and pair["verdict"] == "flagged"
     assert [r["flagged"] for r in hacking_rows(run, margin=0.02)] == [["diversity"]] * 2  # no pair: rule 1 only
     assert hacking_rows(run, margin=0.25, pairs=PAIRS)[0]["pairs"][EXACT]["flagged"] is False  # 0.1875 < 0.25
     assert hacking_rows(run, margin=0.25, pairs=PAIRS)[1]["flagged"] == [EXACT]  # 0.375 > 0.25; diversity fell 0.2 only
@@ -93,14 +97,15 @@ def test_gap_in_the_page_and_the_result(tmp_path):
         "alpha": [("step_000001", EXACT), ("step_000001", "diversity")],
         "beta": [("step_000001", GOLD), ("step_000001", "diversity")],
     }
-    assert ("step_000001", EXACT, f"gained 0.1875 less than {TRAIN} on the same 6 samples") in result["flag_reasons"]["alpha"]
+    reason = f"gained 0.188 less than {TRAIN} on the same 6 samples (95% lower bound 0.188)"
+    assert ("step_000001", EXACT, reason) in result["flag_reasons"]["alpha"]
     page_text = (tmp_path / "out" / "index.html").read_text()
     assert f"Flagged (gap): a paired gold reward ({EXACT} with {TRAIN})" in page_text
-    assert "training gain &minus; gold gain &gt; margin, both rewards in [0, 1]" in page_text
-    assert f"{EXACT} gained 0.1875 less than {TRAIN} on the same 6 samples at step_000001" in page_text
+    assert "passes the test (lower bound of the mean gap &gt; margin), both rewards in [0, 1]" in page_text
+    assert f"{EXACT} {reason} at step_000001" in page_text
     gap_cells = [c for c in Cells(page_text).cells if c.get("kind") == "hacking-gap"]
     assert [(c["run"], c["step"], c["reward"], c["flag"], c["text"]) for c in gap_cells] == [
-        ("alpha", "step_000001", EXACT, "1", "+0.1875 \u26a0")
+        ("alpha", "step_000001", EXACT, "1", "+0.188 \u26a0")
     ]
     plain = build_report(a, out_dir=tmp_path / "plain")  # without pairs the panel says the gap rule is off
     assert plain["flags"] == {"alpha": [("step_000001", "diversity")]}

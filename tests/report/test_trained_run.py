@@ -47,7 +47,7 @@ def test_trainer_run_folder_report_and_eval(tiny_pipeline, tmp_path, capsys):
     assert (run / "report" / "grid_000002.png").is_file()
     trained = json.loads((run / "eval" / "step_000002" / "scores.json").read_text())
     for reward, value in trained["means"].items():
-        assert f'data-step="step_000002" data-reward="{reward}" data-prompt="all" data-kind="overview">{value:.4g}<' in page
+        assert f'data-step="step_000002" data-reward="{reward}" data-prompt="all" data-kind="overview">{value:.3g}<' in page
 
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
     out = tmp_path / "re_eval"

@@ -4,12 +4,16 @@ Setting (measured, seed 1, one thread): the demo config (flowrl/toy/grpo.yaml) t
 prompts, 4 x 4 samples per step, learning rate 1e-2 and no KL so the policy drifts, evaluated on four other "three ..."
 prompts x 8 seeds (32 samples). Against the count-blind judge (the first shipped judge, which reads four shapes as three
 and two colours as the prompt's one) its eval mean gains 0.41 while toy_exact gains 0.28 on the same samples: the policy
-learns scenes the judge misreads (four shapes, mixed colours), a gap of 0.12, six times the margin (seeds 0 and 2: 0.16
-and 0.25). The same run against the retrained judge gains 0.155 on the judge and 0.156 on toy_exact: no flag (seeds 0
-and 2: both flat).
+learns scenes the judge misreads (four shapes, mixed colours), a gap of 0.124, six times the margin, and the panel's
+paired bootstrap puts its one-sided 95% lower bound at 0.031, above the margin 0.02: flagged. The same run against the
+shipped judge (seed 2, faint fraction 0.25) gains 0.073 on the judge and 0.125 on toy_exact: the judge, which now also
+knows faint shapes, is the stricter of the two, the gap is -0.052 (bound -0.117): no flag, nor a near one. (The seed-1
+judge it replaced: 0.155 and 0.156, gap -0.0017, bound -0.0041.)
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -67,10 +71,11 @@ def test_panel_flags_a_run_trained_on_the_count_blind_judge(tmp_path, countblind
     pair = paired(run)
     assert pair["samples"] == 32 and pair["train_gain"] > 0.2, pair  # the hackable judge's eval mean rose a lot ...
     assert pair["train_gain"] - pair["gold_gain"] > 0.1, pair  # ... toy_exact on the same samples far less (0.41 vs 0.28)
+    assert pair["gap"] > 0.1 and pair["bound"] > 0.02 and pair["flagged"], pair  # the 95% lower bound, 0.031, > margin
     result = build_report(run, hacking_pairs=PAIRS)
     assert result["flags"] == {"countblind": [(f"step_{STEPS:06d}", "toy_exact")]}
     (reason,) = [r for _, _, r in result["flag_reasons"]["countblind"]]
-    assert reason.startswith("gained ") and reason.endswith(" less than toy_attributes on the same 32 samples"), reason
+    assert re.fullmatch(r"gained 0\.\d+ less than toy_attributes on the same 32 samples \(95% lower bound 0\.\d+\)", reason)
     page = (run / "report" / "index.html").read_text()
     cell = f'data-flag="1" data-run="countblind" data-reward="toy_exact" data-step="step_{STEPS:06d}" data-kind="hacking-gap"'
     assert cell in page
@@ -87,12 +92,13 @@ def test_panel_does_not_flag_the_same_run_trained_on_the_retrained_judge(tmp_pat
 
     _, run = short_run(tmp_path, "retrained", "{name: toy_attributes}")
     pair = paired(run)
-    assert pair["samples"] == 32 and pair["train_gain"] > 0.05 and pair["gold_gain"] > 0.05, pair  # both rose (0.155)
-    assert abs(pair["train_gain"] - pair["gold_gain"]) < 0.02, pair
+    assert pair["samples"] == 32 and pair["train_gain"] > 0.05 and pair["gold_gain"] > 0.05, pair  # both rose (0.073, 0.125)
+    assert pair["gap"] < 0.01 and pair["bound"] <= 0, pair  # the judge never outran the gold: gap -0.052, bound -0.117
+    assert not pair["flagged"] and not pair["near"], pair
     result = build_report(run, hacking_pairs=PAIRS)
     assert result["flags"] == {"retrained": []} and result["flag_reasons"] == {"retrained": []}
     assert (
-        "no paired gold reward gained more than the margin less than its training reward"
+        "no paired gold reward gained more than the margin less than its training reward with 95% confidence"
         in (run / "report" / "index.html").read_text()
     )
 

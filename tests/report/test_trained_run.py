@@ -40,6 +40,7 @@ def test_trainer_run_folder_report_and_eval(tiny_pipeline, tmp_path, capsys):
     }
     GRPOTrainer(build_config(data)).train()
     run = tmp_path / "runs" / "trained"
+    capsys.readouterr()  # drop what training printed (e.g. DeepSpeed's one-time accelerator notice on first import)
     assert main(["report", str(run)]) == 0
     assert capsys.readouterr().out.strip() == str(run / "report" / "index.html")
     page = (run / "report" / "index.html").read_text()

@@ -9,7 +9,7 @@ A checkpoint is a folder `runs/<name>/checkpoints/step_XXXXXX/`:
                             (tensors and numbers; read with weights_only=True)
     lr_scheduler.json       LR scheduler state_dict
     trainer_state.json      step, prompt-sampler position, counters
-    rng_<rank>.json         torch / CUDA / numpy / python RNG states of every process
+    rng_<rank>.json         torch / numpy / python RNG states of every process, and its CUDA device's
     config.yaml             the run's resolved config
     lora/                   the adapter in the diffusers LoRA format (pipe.load_lora_weights reads it)
 
@@ -25,6 +25,7 @@ import pickle
 import random
 import shutil
 import signal
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ STEP_PREFIX = "step_"
 # Tests set this to a step number to SIGKILL the process in the middle of writing that step's checkpoint.
 FAULT_ENV = "FLOWRL_FAULT_KILL_DURING_CHECKPOINT"
 # keys that may differ between a checkpoint's config and the config that resumes it
-RESUMABLE_DIFFERENCES = ("num_steps", "checkpoint.", "logging.", "eval.", "device", "output_dir")
+RESUMABLE_DIFFERENCES = ("num_steps", "checkpoint.", "logging.", "eval.", "device", "output_dir", "distributed_timeout_s")
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -72,8 +73,8 @@ def rng_state() -> dict[str, Any]:
         "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
         "python": [version, list(internal), gauss],
     }
-    if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    if torch.cuda.is_available():  # this process's device only: a resume may see fewer devices
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
@@ -84,7 +85,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+        cuda = state["cuda"]
+        if cuda and isinstance(cuda[0], list):  # older checkpoints: every visible device's state, by index
+            index = torch.cuda.current_device()
+            if index >= len(cuda):
+                warnings.warn(
+                    f"the checkpoint's CUDA RNG states cover devices 0-{len(cuda) - 1}, not this process's device {index}: "
+                    "its CUDA RNG keeps the run's seeding (flowrl's sampling draws from per-sample generators)",
+                    stacklevel=2,
+                )
+                return
+            cuda = cuda[index]  # the state of the device this process's rank ran on
+        torch.cuda.set_rng_state(torch.tensor(cuda, dtype=torch.uint8))
 
 
 def save_checkpoint(
@@ -251,26 +263,17 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     return path
 
 
-def load_model_for_eval(cfg, checkpoint: str | Path):
-    """(model, weights) for `flowrl eval`: the run's model with a checkpoint's weights, the EMA ones when the run
-    kept EMA, at least one EMA update happened and cfg.eval.use_ema; weights is "base", "ema" or "raw"."""
-    from flowrl.models import load_flow_model
+def load_model_for_eval(cfg, checkpoint: str | Path, device: str | torch.device):
+    """(model, weights) for `flowrl eval` on `device` (the accelerator's): the run's model built as its trainer builds
+    it (`build_policy`: train_expert, family_kwargs, init_lora, trained weights in float32) with a checkpoint's
+    weights, the EMA ones when the run kept EMA, at least one EMA update happened and cfg.eval.use_ema; weights is
+    "base" (evaluate it with the adapter switched off, as the run's base eval), "ema" or "raw"."""
+    from flowrl.models import build_policy
 
-    m = cfg.model
-    model = load_flow_model(
-        m.path,
-        dtype=m.dtype,
-        device=cfg.device or "cpu",
-        max_sequence_length=m.max_sequence_length,
-        mixed_precision=m.mixed_precision,
-    )
-    if str(checkpoint) == "base":
+    state = None if str(checkpoint) == "base" else load_checkpoint(checkpoint)  # a broken one fails before the model loads
+    model = build_policy(cfg.model, device)
+    if state is None:
         return model, "base"
-    state = load_checkpoint(checkpoint)
-    if m.use_lora:
-        model.add_lora(
-            rank=m.lora_rank, alpha=m.lora_alpha, target_modules=tuple(m.lora_target_modules) if m.lora_target_modules else None
-        )
     use_ema = cfg.eval.use_ema and state["ema"] is not None and state["trainer_state"].get("ema_updates", 1) > 0
     weights = state["ema"] if use_ema else state["trainable"]
     params = dict(model.transformer.named_parameters())

@@ -385,17 +385,27 @@ def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, s
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    """The trainer's evaluation (flowrl.evaluation.Evaluator) on demand, for one checkpoint or the base model."""
+    """The trainer's evaluation (flowrl.evaluation.Evaluator) on demand, for one checkpoint or the base model: the run's
+    model settings on the accelerator's device; under `accelerate launch` (scripts/evaluate.py) split over the
+    processes, the main one writing and printing."""
+    import contextlib
+
     from flowrl.checkpoint import load_model_for_eval
+    from flowrl.distributed import make_accelerator
     from flowrl.evaluation import Evaluator
     from flowrl.trainers import load_config
 
     cfg = load_config(args.config, args.overrides or [])
     out, step, label = _eval_out_dir(cfg, args.checkpoint, args.out)
-    model, weights = load_model_for_eval(cfg, args.checkpoint)
+    acc = make_accelerator(cfg)
+    model, weights = load_model_for_eval(cfg, args.checkpoint, acc.device)
     evaluator = Evaluator.from_config(cfg, model)
     train_names = evaluator.train_reward_names
-    result = evaluator.run(out, step, label, weights=weights, batch_size=args.batch_size)
+    base = weights == "base" and model.has_lora  # the run's base eval: the adapter switched off
+    with model.adapter_disabled() if base else contextlib.nullcontext():
+        result = evaluator.run(out, step, label, weights=weights, batch_size=args.batch_size, accelerator=acc)
+    if result is None:  # not the main process
+        return 0
     for name, value in result["means"].items():
         kind = "train" if name in train_names else "gold"
         print(f"{name:<28} {kind:<5} {'n/a' if value is None else f'{value:.6g}'}")

@@ -53,6 +53,22 @@ class ModelConfig:
     """Settings of the family's adapter, handed to its constructor (docs/models.md). LTX-2: frame_rate (24),
     guidance_rescale (0), stg_scale (0) with stg_blocks, modality_scale (1), and their audio_* twins (None: the video
     values); the sampler's guidance_scale is its video CFG scale."""
+    prompt_cache_max_bytes: int = 2 * 1024**3
+    """Bound of the encoded-prompt cache in bytes (an SD3 prompt is about 5 MiB); least recently used prompts go first."""
+    prompt_cache_device: str = "model"
+    """Where cached prompt embeddings live: 'model' (its device) or 'cpu' (copied to the model's device per batch)."""
+    offload_text_encoders: bool = False
+    """Keep the text encoders on the CPU; they visit the model's device only to encode prompts the cache lacks."""
+    vae_slicing: bool = False
+    """Decode a chunk of latents one sample at a time (diffusers' `vae.enable_slicing()`; the same images, less memory)."""
+    vae_tiling: bool = False
+    """Decode large latents in overlapping tiles (diffusers' `vae.enable_tiling()`; close, not equal, images)."""
+    attention_backend: str = "sdpa"
+    """'sdpa' (PyTorch's scaled-dot-product attention, diffusers' default) or 'xformers' (CUDA, the `cuda` extra)."""
+    allow_tf32: bool = True
+    """On CUDA, float32 matmuls and convolutions in TF32 (`torch.backends.{cuda.matmul,cudnn}.allow_tf32`)."""
+    compile: bool = False
+    """`torch.compile` the transformer's forward (compiled on the first call: minutes at real size)."""
 
 
 @dataclass
@@ -87,6 +103,12 @@ class RewardConfig:
     name: str
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    dtype: str | None = None
+    """The reward's weights: float32, bfloat16 or float16 (fp32, bf16, fp16); None: float32."""
+    device: str | None = None
+    """Where the reward runs: cpu, cuda (this process's GPU) or cuda:N; None: the run's device."""
+    batch_size: int | None = None
+    """Score at most this many samples per reward call (chunks of the rollout); None: all at once."""
 
 
 @dataclass
@@ -141,6 +163,9 @@ class RunConfig:
     """Training steps (one rollout batch and its optimisation each)."""
     device: str | None = None
     """None: accelerate's choice (GPU when present); 'cpu' forces the CPU."""
+    distributed_timeout_s: int = 1800
+    """Seconds a collective waits for the other processes before the run fails (torch.distributed's process-group
+    timeout; NCCL's default is 600). Raise it where one rank may work alone longer (a long checkpoint write)."""
     on_reward_error: str = "raise"
     """'raise', or 'skip_sample': a reward that raises or returns NaN/inf drops those samples (counted)."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -235,6 +260,9 @@ def _component_from_dict(cls: type, data: Any, where: str) -> Any:
     fixed = {"name": str(data.pop("name"))}
     if cls is RewardConfig and "weight" in data:
         fixed["weight"] = _coerce(data.pop("weight"), float, f"{where}.weight")
+    for key in ("dtype", "device", "batch_size") if cls is RewardConfig else ():  # how it runs, not its kwargs
+        if key in data:
+            fixed[key] = data.pop(key)
     nested = data.pop("kwargs", {}) or {}
     return cls(**fixed, kwargs={**nested, **data})
 
@@ -260,6 +288,42 @@ def _check_component_kwargs(component_cls: type, kwargs: dict, where: str) -> di
     return dict(kwargs)
 
 
+def _check_reward_runtime(spec: RewardConfig, where: str) -> None:
+    """A reward's dtype, device and batch_size, each a one-line ConfigError naming the field."""
+    import torch
+
+    from flowrl.models import DTYPES
+
+    if spec.dtype is not None and spec.dtype not in DTYPES:
+        raise ConfigError(f"{where}.dtype={spec.dtype!r} must be one of {', '.join(DTYPES)} (unset: float32)")
+    if spec.device is not None:
+        try:
+            torch.device(spec.device if isinstance(spec.device, str) else "?")
+        except RuntimeError:
+            raise ConfigError(
+                f"{where}.device={spec.device!r} is not a device; use cpu, cuda or cuda:N (unset: the run's)"
+            ) from None
+    size = spec.batch_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ConfigError(f"{where}.batch_size={size!r} must be a whole number >= 1 (samples per call; unset: all at once)")
+
+
+def _check_preview_backend(backend: Any, device: str | None) -> None:
+    """The candidates sampler's preview precision against this machine's device, before any model loads: a kernel it
+    lacks is a ConfigError; what `auto` chose is printed once (by the first process)."""
+    import os
+    import sys
+
+    from flowrl.quant import check_preview_backend
+
+    try:
+        note = check_preview_backend(backend, device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if note and os.environ.get("RANK", "0") == "0":
+        print(f"flowrl: {note}", file=sys.stderr)
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Cross-field checks and component-argument checks, each a one-line ConfigError."""
     from flowrl import registry
@@ -268,6 +332,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"on_reward_error={cfg.on_reward_error!r} must be 'raise' or 'skip_sample'")
     if cfg.num_steps < 0:
         raise ConfigError(f"num_steps={cfg.num_steps} must be >= 0")
+    if cfg.distributed_timeout_s < 1:
+        raise ConfigError(f"distributed_timeout_s={cfg.distributed_timeout_s} must be >= 1 (seconds; e.g. 1800)")
     for name in ("num_prompts_per_step", "group_size"):
         if getattr(cfg.data, name) < 1:
             raise ConfigError(f"data.{name}={getattr(cfg.data, name)} must be >= 1")
@@ -293,6 +359,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         except KeyError as err:
             raise ConfigError(f"{section}.name: {err.args[0]}") from None
         spec.kwargs = _check_component_kwargs(component, spec.kwargs, section)
+    if isinstance(cfg.sampler.kwargs.get("preview_backend"), (str, list)):  # the candidates sampler's
+        _check_preview_backend(cfg.sampler.kwargs["preview_backend"], cfg.device)
     for i, spec in enumerate(list(cfg.rewards) + list(cfg.eval.gold_rewards)):
         where = f"rewards.{i}" if i < len(cfg.rewards) else f"eval.gold_rewards.{i - len(cfg.rewards)}"
         try:
@@ -300,6 +368,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         except KeyError as err:
             raise ConfigError(f"{where}.name: {err.args[0]}") from None
         spec.kwargs = _check_component_kwargs(component, spec.kwargs, where)
+        _check_reward_runtime(spec, where)
     names = [r.name for r in cfg.rewards]
     if len(set(names)) != len(names):
         raise ConfigError(f"rewards lists a reward twice ({names}); give each reward once with its weight")
@@ -380,6 +449,7 @@ def to_dict(cfg: Any) -> Any:
         out = {"name": cfg.name}
         if isinstance(cfg, RewardConfig):
             out["weight"] = cfg.weight
+            out.update({k: getattr(cfg, k) for k in ("dtype", "device", "batch_size") if getattr(cfg, k) is not None})
         out.update(cfg.kwargs)
         return out
     if dataclasses.is_dataclass(cfg):

@@ -29,15 +29,21 @@ def _env_flag(name: str) -> bool:
 
 
 def make_accelerator(cfg):
-    """The accelerator for a run config: precision, trackers, project folder, and the launch's sharding."""
+    """The accelerator for a run config: precision, trackers, project folder, the process-group timeout
+    (`distributed_timeout_s`), and the launch's sharding."""
+    from datetime import timedelta
+
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     trackers = [tr for tr in cfg.logging.trackers if tr != "wandb" or _installed("wandb")]
     # flowrl runs autocast inside the model's velocity and scales fp16 losses itself (flowrl.optim), so
-    # accelerate's own mixed precision is only handed to the sharded engines (FSDP2 casts, DeepSpeed scales)
-    sharded = _env_flag("ACCELERATE_USE_FSDP") or _env_flag("ACCELERATE_USE_DEEPSPEED")
-    precision = {"fp32": "no"}.get(cfg.model.mixed_precision, cfg.model.mixed_precision) if sharded else "no"
+    # accelerate's own mixed precision is only handed to the sharded engines: FSDP2 casts for compute (and reduces in
+    # float32, Sharding.prepare), DeepSpeed scales fp16 losses. DeepSpeed's bf16 mode would cast the whole module, the
+    # trained LoRA and NFT's old adapter with it (and so the EMA), to bf16: under bf16 its engine stays float32
+    precision = {"fp32": "no"}.get(cfg.model.mixed_precision, cfg.model.mixed_precision)
+    if not (_env_flag("ACCELERATE_USE_FSDP") or (_env_flag("ACCELERATE_USE_DEEPSPEED") and precision == "fp16")):
+        precision = "no"
     kwargs = dict(
         mixed_precision=precision,
         log_with=trackers or None,
@@ -45,9 +51,10 @@ def make_accelerator(cfg):
     )
     cpu = cfg.device == "cpu"
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    timeout = timedelta(seconds=cfg.distributed_timeout_s)
     if cpu and launched and _env_flag("ACCELERATE_USE_DEEPSPEED"):
-        return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")], **kwargs)
-    acc = Accelerator(cpu=cpu, **kwargs)
+        return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo", timeout=timeout)], **kwargs)
+    acc = Accelerator(cpu=cpu, kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)], **kwargs)
     if cpu and launched and _env_flag("ACCELERATE_USE_FSDP"):
         _fsdp_on_cpu(acc)
     return acc
@@ -140,6 +147,13 @@ class Sharding:
             )
             self.engine, optimizer = self.acc.prepare(module, optimizer)
             return optimizer
+        if self.acc.mixed_precision != "no":  # parameters gathered in bf16/fp16 for compute, gradients reduced in float32
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[self.acc.mixed_precision]
+            self.acc.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+                param_dtype=dtype, reduce_dtype=torch.float32
+            )
         _, optimizer = self.acc.prepare(module, optimizer)
         return optimizer
 

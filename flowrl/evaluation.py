@@ -1,8 +1,8 @@
 """Fixed prompts x fixed seeds through a deterministic sampler, scored by every reward (training and gold).
 
 `evaluate` runs during training (every `eval_every_n_steps`, and once on the base model as step 0) and on
-demand (`flowrl eval`). It writes `out_dir/scores.json` and the images beside it; `flowrl report` reads
-them back.
+demand (`flowrl eval`), split over the run's processes (each samples and scores its share of the batches; the main
+process gathers them). It writes `out_dir/scores.json` and the images beside it; `flowrl report` reads them back.
 
 scores.json (format "flowrl.eval/1"); P prompts, S seeds, samples in prompt-major order (i = p * S + s):
 
@@ -152,6 +152,25 @@ def _check_inputs(
             )
 
 
+def eval_chunks(num_samples: int, batch_size: int, num_processes: int) -> list[range]:
+    """The sample batches of an evaluation, in order (process `rank` of W takes batches rank, rank + W, ...):
+    `batch_size` samples each, fewer where that spreads them over more processes. Wherever W·batch_size <= the sample
+    count the batches are the one-process run's, so every sample is computed in the same batch (same numerics)."""
+    size = max(1, min(batch_size, math.ceil(num_samples / num_processes)))
+    return [range(i, min(i + size, num_samples)) for i in range(0, num_samples, size)]
+
+
+def _gather_to_main(accelerator, part: Any) -> list[Any]:
+    """Every process's `part`, by rank, on the main process (one gather; an empty list elsewhere)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return [part]
+    import torch.distributed as dist
+
+    parts: list[Any] | None = [None] * accelerator.num_processes if accelerator.is_main_process else None
+    dist.gather_object(part, parts, dst=0)
+    return parts or []
+
+
 @torch.no_grad()
 def evaluate(
     model: FlowModel,
@@ -168,15 +187,24 @@ def evaluate(
     metadata: list[dict] | None = None,
     diversity_features: DiversityFeatures | None = None,
     weights: str | None = None,
-) -> dict:
+    accelerator=None,
+    lockstep: bool = False,
+) -> dict | None:
     """Sample every prompt x seed with `sampler`, score with every reward, write out_dir/scores.json + images.
 
     `rewards` holds training and gold rewards by name; those named in `train_reward_names` are the training
     ones, the rest are gold. Returns the scores.json dict (schema in the module docstring).
+
+    With an `accelerator` of W processes every process calls this: the batches (`eval_chunks`) are split over the
+    processes, each samples and scores its own, and the main process gathers images, scores and features round by
+    round, writes every file and returns the dict (the others return None). A sample is its (prompt, seed)'s whatever
+    the process. `lockstep` (FSDP2, whose forwards gather weights from every process): a process without a batch in
+    the last round samples its first batch again and drops it, so that every process runs the same forwards.
     """
     _check_inputs(model, rewards, prompts, seeds, train_reward_names, batch_size, metadata)
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+    main = rank == 0
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     metadata = [dict(m) for m in metadata] if metadata is not None else [{} for _ in prompts]
     num_prompts, num_seeds = len(prompts), len(seeds)
     pairs = [(p, s) for p in range(num_prompts) for s in range(num_seeds)]  # prompt-major, [P*S]
@@ -184,11 +212,8 @@ def evaluate(
     space = "pixel" if diversity_features is None else getattr(diversity_features, "__name__", type(diversity_features).__name__)
     start = time.perf_counter()
 
-    sources = _copy_sources(metadata, out)  # [P] the source image beside its samples (edit / image-to-video)
-    samples: list[dict[str, Any]] = []
-    features: list[torch.Tensor] = []  # [b, D] per batch
-    for begin in range(0, len(pairs), batch_size):
-        chunk = pairs[begin : begin + batch_size]
+    def sample_and_score(rows: range) -> dict[str, Any]:
+        chunk = [pairs[i] for i in rows]
         batch = PromptBatch(
             prompts=[prompts[p] for p, _ in chunk],
             group_ids=torch.tensor([p for p, _ in chunk], dtype=torch.int64),  # [b]
@@ -206,20 +231,27 @@ def evaluate(
                 f"evaluate: diversity_features returned {getattr(feats, 'shape', type(feats))}; it must map "
                 f"[M, ...] images to [M, D] features"
             )
-        features.append(feats.detach().float().cpu())
-        images = images.cpu()
-        for k, (p, s) in enumerate(chunk):
-            stem = f"p{p:03d}_s{s:03d}"
-            sample: dict[str, Any] = {"prompt_index": p, "seed_index": s, "seed": int(seeds[s])}
-            if model.is_video:
-                sample["image"] = os.path.basename(media.save_strip(images[k], str(out / f"{stem}_strip.png")))
-                sample["animation"] = os.path.basename(media.save_gif(images[k], str(out / f"{stem}.gif")))
-                if media._has_ffmpeg():
-                    sample["video"] = os.path.basename(media.save_video(images[k], str(out / stem)))
-            else:
-                sample["image"] = os.path.basename(media.save_image(images[k], str(out / f"{stem}.png")))
-            sample["scores"] = {name: values[k] for name, values in scores.items()}
-            samples.append(sample)
+        return {"rows": rows, "images": images.cpu(), "scores": scores, "features": feats.detach().float().cpu()}
+
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    sources = _copy_sources(metadata, out) if main else []  # [P] the source image beside its samples
+    samples: list[dict[str, Any]] = []
+    features: list[torch.Tensor] = []  # [b, D] per batch
+    chunks = eval_chunks(len(pairs), batch_size, world)
+    for first in range(0, len(chunks), world):  # one round: a batch per process
+        own = first + rank
+        part = sample_and_score(chunks[own]) if own < len(chunks) else None
+        if part is None and lockstep:
+            sample_and_score(chunks[rank % len(chunks)])  # the same forwards as the others; dropped
+        for got in _gather_to_main(accelerator, part):
+            if got is None:
+                continue
+            features.append(got["features"])
+            for k, i in enumerate(got["rows"]):
+                samples.append(_write_sample(model, out, got["images"][k], pairs[i], seeds, got["scores"], k))
+    if not main:
+        return None
 
     all_features = torch.cat(features)  # [P*S, D]
     per_prompt = {
@@ -254,6 +286,22 @@ def evaluate(
     tmp.write_text(json.dumps(result, indent=1, default=str))
     os.replace(tmp, out / "scores.json")  # atomic: a crash never leaves half a scores.json
     return result
+
+
+def _write_sample(model: FlowModel, out: Path, image: torch.Tensor, pair: tuple[int, int], seeds, scores, k: int) -> dict:
+    """Write one sample's files (p<P>_s<S>.png; video: frame strip, GIF and MP4 when ffmpeg is there); its record."""
+    p, s = pair
+    stem = f"p{p:03d}_s{s:03d}"
+    sample: dict[str, Any] = {"prompt_index": p, "seed_index": s, "seed": int(seeds[s])}
+    if model.is_video:
+        sample["image"] = os.path.basename(media.save_strip(image, str(out / f"{stem}_strip.png")))
+        sample["animation"] = os.path.basename(media.save_gif(image, str(out / f"{stem}.gif")))
+        if media._has_ffmpeg():
+            sample["video"] = os.path.basename(media.save_video(image, str(out / stem)))
+    else:
+        sample["image"] = os.path.basename(media.save_image(image, str(out / f"{stem}.png")))
+    sample["scores"] = {name: values[k] for name, values in scores.items()}
+    return sample
 
 
 def _copy_sources(metadata: list[dict], out: Path) -> list[str | None]:
@@ -317,8 +365,17 @@ class Evaluator:
         return cls(model, rewards, gold, e, dict(cfg.sampler.kwargs), prompts, metadata)
 
     def run(
-        self, out_dir: str | os.PathLike, step: int, label: str, weights: str | None = None, batch_size: int | None = None
-    ) -> dict:
+        self,
+        out_dir: str | os.PathLike,
+        step: int,
+        label: str,
+        weights: str | None = None,
+        batch_size: int | None = None,
+        accelerator=None,
+        lockstep: bool = False,
+    ) -> dict | None:
+        """The evaluation into `out_dir`; with an `accelerator` every process calls it and shares the work (`evaluate`),
+        and the main process writes the files and returns the result (the others None)."""
         self.model.transformer.eval()
         return evaluate(
             self.model,
@@ -333,21 +390,16 @@ class Evaluator:
             label=label,
             batch_size=batch_size or self.cfg.batch_size,
             weights=weights,
+            accelerator=accelerator,
+            lockstep=lockstep,
         )
 
     def run_in_training(
         self, accelerator, every_process: bool, out_dir: Path, step: int, label: str, weights: str
     ) -> dict | None:
-        """The in-training eval: the main process writes `out_dir`; with `every_process` (FSDP2 gathers weights
-        inside every forward) the other processes run it too, into a scratch folder. Returns the main's result."""
-        import tempfile
-
-        result = None
-        if accelerator.is_main_process:
-            result = self.run(out_dir, step, label, weights)
-        elif every_process:
-            with tempfile.TemporaryDirectory() as scratch:
-                self.run(Path(scratch) / label, step, label, weights)
+        """The in-training eval, split over the processes; the main process writes `out_dir` and returns the result.
+        `every_process` (FSDP2 gathers weights inside every forward): every process runs the same forwards."""
+        result = self.run(out_dir, step, label, weights, accelerator=accelerator, lockstep=every_process)
         accelerator.wait_for_everyone()
         return result
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from dataclasses import dataclass
 
 import torch
+
+from flowrl.runs import timed
 
 MAX_REWARDS = 12
 PARETO_STATIONARY = 1e-9  # ||d*|| of unit gradients at or below this: the batch is Pareto-stationary, no update
@@ -196,7 +197,7 @@ class RewardGradients:
     def backward(self, loss_of, per_reward: torch.Tensor, kl_loss: torch.Tensor | None = None, boundary: bool = False):
         """Per reward k, ∇θ loss_of(A_k) accumulated into g_k (one shared forward graph; `loss_of` maps advantages
         [b] to this backward's scalar policy loss); then the KL's own backward (`kl_loss`, None = no KL term)."""
-        tic = time.perf_counter()
+        tic = timed(self.acc.device)
         scale = self.opt.scaler.scale if self.opt.scaler.enabled else 1.0
         params = self.opt.params
         if self._grads is None:
@@ -208,7 +209,7 @@ class RewardGradients:
                 [(g if g is not None else torch.zeros_like(p)).flatten().float() for g, p in zip(grads, params)]
             )
         if self.mode == PROBE:
-            self.seconds += time.perf_counter() - tic
+            self.seconds += tic.seconds()
         if kl_loss is not None and not self.single:
             self.opt.backward(kl_loss, boundary)
 
@@ -216,7 +217,7 @@ class RewardGradients:
         """Before `opt.step`: reduce g_k over processes, combine them into .grad (full, exact) and log the cosines."""
         if self._grads is None:
             return
-        tic = time.perf_counter()
+        tic = timed(self.acc.device)
         grads = self._grads
         if self.acc.num_processes > 1:
             grads = self.acc.reduce(grads, reduction="mean")
@@ -239,7 +240,7 @@ class RewardGradients:
         self._log.setdefault("marble/opposed", []).append(float(bool((cos < 0).any())))
         self._grads = None
         if self.mode == PROBE:
-            self.seconds += time.perf_counter() - tic
+            self.seconds += tic.seconds()
 
     # ---------------------------------------------------------------------------------- state and logs
     def _record_alpha(self, fresh: torch.Tensor) -> None:

@@ -237,7 +237,8 @@ class EMA:
         if every_n_steps < 1 or not 0.0 <= decay <= 1.0:
             raise ValueError(f"train.ema_every_n_steps={every_n_steps} must be >= 1 and train.ema_decay={decay} in [0, 1]")
         self.names, self.decay, self.every_n_steps, self.mode = names, decay, every_n_steps, mode
-        self.shadow = {n: p.detach().clone() for n, p in zip(names, params)}
+        # at least float32 whatever the weights' dtype (DeepSpeed's fp16 engine holds fp16 copies)
+        self.shadow = {n: p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for n, p in zip(names, params)}
         self.num_updates = 0
 
     def decay_at(self, optimizer_steps: int) -> float:

@@ -7,18 +7,23 @@
 The formats and their rounding rules are in docs/math.md#low-precision-previews (ALGORITHMS §4.4). All arithmetic
 is float32; rounding is round-to-nearest-even throughout. Fake-quantization = dequantize(quantize(x)): the values
 a real kernel would compute with, on any device, at fp32 speed or slower. Real low-precision speed needs the
-torchao kernels (`nvfp4` on sm_100+, `fp8` on sm_89+).
+torchao kernels (`nvfp4` on sm_100+, `fp8` on sm_89+); `auto` picks the one this device runs (`resolve_precision`),
+and `check_preview_backend` refuses a kernel the run's device lacks when the config loads, before any model does.
 
 A preview model is a copy of the current policy (the active LoRA adapter merged into the weights) with its
-eligible linears replaced: `fake_*` layers hold their fake-quantized weight (quantized once, when the copy is
-built) and fake-quantize their input activations on every call; `int8` is torch's dynamic int8 quantization
-(CPU); `cached` turns on diffusers' cache hooks on the copy. The sampler builds a fresh copy at the start of
-every rollout, so the preview always follows the weights of the latest optimizer step.
+eligible linears replaced: `fake_*` layers hold their fake-quantized weight (quantized once per refresh) and
+fake-quantize their input activations on every call; `int8` is torch's dynamic int8 quantization (CPU); `fp8` /
+`nvfp4` are torchao's dynamic float8 / NVFP4 linears (real low-precision matmuls); `cached` turns on diffusers' cache
+hooks on the copy. The sampler keeps one copy (`PreviewCache`): built at its first rollout, then written over in
+place from the live weights whenever they changed (an optimizer step, another active adapter), so the preview always
+follows the latest weights without a new copy of the model per rollout.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -158,8 +163,9 @@ class FakeQuantLinear(torch.nn.Module):
 
 
 # ------------------------------------------------------------------------------------------ preview models
-BACKENDS = ("fake_nvfp4", "fake_mxfp4", "fake_fp8", "nvfp4", "fp8", "int8", "bf16", "few_step", "cached")
-PRECISIONS = ("fake_nvfp4", "fake_mxfp4", "fake_fp8", "nvfp4", "fp8", "int8", "bf16")  # at most one of these
+BACKENDS = ("auto", "fake_nvfp4", "fake_mxfp4", "fake_fp8", "nvfp4", "fp8", "int8", "bf16", "few_step", "cached")
+PRECISIONS = ("auto", "fake_nvfp4", "fake_mxfp4", "fake_fp8", "nvfp4", "fp8", "int8", "bf16")  # at most one of these
+KERNELS = {"nvfp4": (10, 0), "fp8": (8, 9)}  # torchao's kernels and the CUDA capability they need
 DEFAULT_SKIP = ("embed", "caption_projection", "proj_out", "norm_out", "time_proj")
 CACHES = {"first_block": "FirstBlockCacheConfig", "mag": "MagCacheConfig", "taylorseer": "TaylorSeerCacheConfig"}
 
@@ -231,29 +237,92 @@ def merged_copy(transformer: torch.nn.Module) -> torch.nn.Module:
     return clone.eval()
 
 
-def _check_kernels(precision: str, device: torch.device) -> None:
-    need = {"nvfp4": (10, 0), "fp8": (8, 9)}[precision]
-    arch = f"sm_{need[0]}{need[1]}+"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < need:
-        where = device.type if device.type != "cuda" else "sm_{}{}".format(*torch.cuda.get_device_capability(device))
+# ------------------------------------------------------------------------------------------ which precision runs here
+def run_device(device: str | None) -> torch.device:
+    """The device a run config's `device` names, known before anything loads: None is accelerate's choice (the GPU
+    when one is present)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+
+
+def resolve_precision(precision: str | None, device: str | torch.device) -> str | None:
+    """The precision a preview runs at on `device`: `auto` is nvfp4 on sm_100+ (Blackwell), fp8 on sm_89+ (Ada,
+    Hopper) and elsewhere fake_nvfp4 (the exact emulation, as on the CPU); any other precision is itself."""
+    if precision != "auto":
+        return precision
+    capability = _capability(torch.device(device))
+    if capability is None or capability < KERNELS["fp8"]:
+        return "fake_nvfp4"
+    return "nvfp4" if capability >= KERNELS["nvfp4"] else "fp8"
+
+
+def check_precision(precision: str | None, device: str | torch.device, requested: str | None = None) -> None:
+    """A one-line ValueError where torchao's kernels for `precision` cannot run on `device` (`requested`: what the
+    config named, `auto` or the precision itself)."""
+    if precision not in KERNELS:
+        return
+    device, requested = torch.device(device), requested or precision
+    need, capability = KERNELS[precision], _capability(torch.device(device))
+    if capability is None or capability < need:
+        where = "the CPU" if device.type == "cpu" else device.type
+        if capability is not None:
+            where = "an sm_{}{} GPU".format(*capability)
+        other = "fp8" if precision == "nvfp4" and capability is not None and capability >= KERNELS["fp8"] else f"fake_{precision}"
         raise ValueError(
-            f"sampler.preview_backend={precision!r} needs torchao kernels on an {arch} GPU; this run has {where}: "
-            f"use fake_{precision} (exact, any device) instead"
+            f"sampler.preview_backend={precision!r} needs torchao kernels on an sm_{need[0]}{need[1]}+ GPU; this run has "
+            f"{where}: use auto ({resolve_precision('auto', device)} here) or {other}"
         )
-    try:
-        import torchao  # noqa: F401
-    except ImportError:
-        raise ValueError(f"sampler.preview_backend={precision!r} needs torchao (pip install torchao)") from None
+    if not torchao_installed():
+        raise ValueError(
+            f"sampler.preview_backend={requested!r} runs {precision} through torchao, which is not installed: "
+            "pip install 'flowrl[cuda]' (torchao>=0.18), or name a fake_* precision"
+        )
+
+
+def torchao_installed() -> bool:
+    return importlib.util.find_spec("torchao") is not None
+
+
+def check_preview_backend(backend: str | list[str], device: str | None) -> str | None:
+    """The candidates sampler's preview precision against the run's device (`device`: the run config's), when the config
+    loads and before any model does: a one-line ValueError for kernels this machine lacks; for `auto`, the line that
+    says what it chose (None otherwise)."""
+    backends = parse_backend(backend)
+    precision = next((b for b in backends if b in PRECISIONS), None)
+    if precision != "auto" and precision not in KERNELS:
+        return None
+    where = run_device(device)
+    chosen = resolve_precision(precision, where)
+    check_precision(chosen, where, precision)
+    if precision != "auto":
+        return None
+    capability = _capability(where)
+    on = "the CPU" if capability is None else "sm_{}{}".format(*capability)
+    how = "torchao kernels" if chosen in KERNELS else "exact emulation, no low-precision kernels"
+    return f"sampler.preview_backend={'+'.join(backends)}: auto runs previews at {chosen} on {on} ({how})"
+
+
+def _torchao_config(precision: str):
+    """torchao's quantization config for a real low-precision preview (torchao 0.18's names)."""
+    if precision == "fp8":  # dynamic per-tensor float8 activations and weights: torch._scaled_mm on sm_89+
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig
+
+        return Float8DynamicActivationFloat8WeightConfig()
+    from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
+
+    # its fused Triton activation kernel comes with the separate `mslk` package; without it torchao's own path
+    return NVFP4DynamicActivationNVFP4WeightConfig(use_triton_kernel=importlib.util.find_spec("mslk") is not None)
 
 
 def _torchao_quantize(model: torch.nn.Module, precision: str, names: set[str]) -> None:
     from torchao.quantization import quantize_
 
-    if precision == "fp8":
-        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig as Config
-    else:
-        from torchao.prototype.mx_formats import NVFP4InferenceConfig as Config
-    quantize_(model, Config(), filter_fn=lambda m, fqn: fqn in names)
+    quantize_(model, _torchao_config(precision), filter_fn=lambda m, fqn: fqn in names)
 
 
 def _enable_cache(model: torch.nn.Module, cache: dict, family: str) -> None:
@@ -276,25 +345,126 @@ def _enable_cache(model: torch.nn.Module, cache: dict, family: str) -> None:
 
 def build_preview(transformer: torch.nn.Module, spec: PreviewSpec, family: str = "model") -> torch.nn.Module:
     """The preview copy of the live transformer (see the module docstring); `few_step` and `bf16` act in the sampler."""
+    return _build(transformer, spec, family)[0]
+
+
+def _build(transformer: torch.nn.Module, spec: PreviewSpec, family: str) -> tuple[torch.nn.Module, str | None, list[str]]:
+    """(the preview, the precision it runs at on this device, the names of its quantized linears)."""
     device = next(transformer.parameters()).device
-    precision = spec.precision
-    if precision in ("nvfp4", "fp8"):
-        _check_kernels(precision, device)
+    precision = resolve_precision(spec.precision, device)
+    check_precision(precision, device, spec.precision)
     if precision == "int8" and device.type != "cpu":
         raise ValueError(f"sampler.preview_backend='int8' is torch's dynamic quantization for the CPU; this run is on {device}")
     if "cached" in spec.backends and not hasattr(transformer, "enable_cache"):
         _enable_cache(transformer, spec.cache, family)  # raises the one-line error before copying anything
     if precision in (None, "bf16") and "cached" not in spec.backends:
-        return transformer  # few_step / bf16 change how the sampler runs the policy, not its weights: no copy
+        return transformer, precision, []  # few_step / bf16 change how the sampler runs the policy, not its weights: no copy
     preview = merged_copy(transformer)
-    names = quantizable_linears(preview, spec.skip, spec.min_features)
+    names = quantizable_linears(preview, spec.skip, spec.min_features) if precision not in (None, "bf16") else []
+    if precision in KERNELS:  # torchao's fp8 and nvfp4 linears need both sides in multiples of 16
+        names = [n for n in names if preview.get_submodule(n).in_features % 16 == 0 == preview.get_submodule(n).out_features % 16]
     if precision in FAKE_QUANT:
         for name in names:
             _replace(preview, name, FakeQuantLinear(preview.get_submodule(name), precision))
     elif precision == "int8":
         preview = torch.ao.quantization.quantize_dynamic(preview, set(names), dtype=torch.qint8)
-    elif precision in ("nvfp4", "fp8"):
+    elif precision in KERNELS:
         _torchao_quantize(preview, precision, set(names))
     if "cached" in spec.backends:
         _enable_cache(preview, spec.cache, family)
-    return preview
+    return preview, precision, names
+
+
+# ------------------------------------------------------------------------------------------ one copy, refreshed
+def weights_stamp(module: torch.nn.Module) -> tuple:
+    """What changes when a weight `module` computes with changes: each tensor's storage and in-place version counter
+    (an optimizer step, `copy_`, `p.data = ...`) and each LoRA layer's active adapters and switch."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    tensors = [getattr(t, "_local_tensor", t) for t in itertools.chain(module.parameters(), module.buffers())]
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    adapters = tuple((tuple(m.active_adapters), bool(m.disable_adapters)) for m in layers)
+    return tuple((t.data_ptr(), t._version) for t in tensors), adapters
+
+
+def _live_tensors(live: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of the preview's module at the same name, from the live module: a LoRA layer's base layer with the
+    active adapters merged into its weight (the arithmetic of `merged_copy`)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if not isinstance(live, BaseTunerLayer):
+        return dict(itertools.chain(live.named_parameters(recurse=False), live.named_buffers(recurse=False)))
+    base = live.get_base_layer()
+    tensors = dict(itertools.chain(base.named_parameters(recurse=False), base.named_buffers(recurse=False)))
+    weight = base.weight.detach().clone()
+    if not live.disable_adapters:
+        for adapter in live.active_adapters:
+            if adapter in getattr(live, "lora_A", {}):
+                weight += live.get_delta_weight(adapter).to(weight.dtype)
+    tensors["weight"] = weight
+    return tensors
+
+
+def _requantized(weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> torch.nn.Module:
+    """A fresh int8 or torchao linear for `weight` and `bias`, as `_build` makes it."""
+    shell = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    shell.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+    if bias is not None:
+        shell.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+    if precision == "int8":  # what quantize_dynamic does to each linear it names
+        shell.qconfig = torch.ao.quantization.default_dynamic_qconfig
+        return torch.ao.nn.quantized.dynamic.Linear.from_float(shell)
+    from torchao.quantization import quantize_
+
+    quantize_(shell, _torchao_config(precision))
+    return shell
+
+
+@torch.no_grad()
+def refresh_preview(preview: torch.nn.Module, transformer: torch.nn.Module, precision: str | None, names) -> None:
+    """Write the live transformer's weights (its active LoRA merged) into `preview`, a copy `_build` made of it with
+    the quantized linears `names`, in place: those re-quantized, every other tensor copied. The result equals a new
+    `build_preview` of the live weights bit for bit, without a new copy of the model."""
+    quantized = tuple(names)
+    inside = tuple(f"{n}." for n in quantized)  # int8's packed parameters: nothing of the live model
+    for name, module in list(preview.named_modules()):
+        if inside and name.startswith(inside):
+            continue
+        live = _live_tensors(transformer.get_submodule(name))
+        if name in quantized:
+            weight, bias = live["weight"], live.get("bias")
+            if isinstance(module, FakeQuantLinear):
+                module.weight.copy_(module.quant(weight.detach().float()))
+                if bias is not None:
+                    module.bias.copy_(bias.detach().float())
+            else:
+                _replace(preview, name, _requantized(weight, bias, precision))
+            continue
+        for key, tensor in itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False)):
+            tensor.copy_(live[key])
+
+
+class PreviewCache:
+    """The candidates sampler's one preview copy of the live transformer: built at the first call, then refreshed in
+    place (`refresh_preview`) when the step or the live weights changed since the last call, so the rollout chunks of
+    one training step share one quantization and no step copies the model. The copy stays allocated between steps."""
+
+    def __init__(self, spec: PreviewSpec):
+        self.spec = spec
+        self.preview = self.source = self.stamp = None
+        self.precision, self.names = None, []
+        self.counts = {"builds": 0, "refreshes": 0, "reuses": 0}
+
+    def __call__(self, transformer: torch.nn.Module, family: str = "model", step: int = 0) -> torch.nn.Module:
+        stamp = (step, weights_stamp(transformer))
+        if self.preview is None or self.source is not transformer:
+            self.preview, self.precision, self.names = _build(transformer, self.spec, family)
+            self.source = transformer
+            self.counts["builds"] += 1
+        elif stamp != self.stamp and self.preview is not transformer:
+            refresh_preview(self.preview, transformer, self.precision, self.names)
+            self.counts["refreshes"] += 1
+        else:
+            self.counts["reuses"] += 1
+        self.stamp = stamp
+        return self.preview

@@ -17,6 +17,8 @@ import math
 import time
 from pathlib import Path
 
+import torch
+
 CHECKPOINTS = "checkpoints"  # <run>/checkpoints/step_XXXXXX
 
 
@@ -119,6 +121,30 @@ def show_progress(bar, metrics: dict) -> None:
         if (k.endswith("/mean") and k.startswith("reward/")) or k == "train/loss"
     }
     bar.set_postfix(shown)
+
+
+class Clock:
+    """Wall seconds since it started, for the `perf/...` timings. On CUDA it synchronises the device when it starts and
+    when read: kernels run asynchronously, so without it a stage's queued work is billed to whichever later stage first
+    waits on the device (docs/models.md#timings)."""
+
+    def __init__(self, device: str | torch.device):
+        self.device = torch.device(device)
+        self._synchronize()
+        self.started = time.perf_counter()
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def seconds(self) -> float:
+        self._synchronize()
+        return time.perf_counter() - self.started
+
+
+def timed(device: str | torch.device) -> Clock:
+    """A started `Clock` on `device`: `tic = timed(acc.device)` ... `rollout_s = tic.seconds()`."""
+    return Clock(device)
 
 
 def step_metrics(wall: float, rollout_s: float, reward_s: float, optimise_s: float, num_samples: int, errors: int, kept) -> dict:

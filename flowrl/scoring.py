@@ -24,14 +24,54 @@ import torch
 from flowrl.advantages import group_advantages
 from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_scores, score_checked
-from flowrl.types import Rollout
+from flowrl.runs import timed
+from flowrl.types import RewardOutput, Rollout
 
 POLICIES = ("raise", "skip_sample")
 
 
 def build_rewards(specs, device) -> dict[str, Any]:
-    """{name: reward} from RewardConfig entries (name + constructor kwargs)."""
-    return {spec.name: REWARDS.get(spec.name)(device=device, **spec.kwargs) for spec in specs}
+    """{name: reward} from RewardConfig entries (name + constructor kwargs): each on its `device` (None: the run's
+    `device`; `cuda` alone: this process's GPU), in its `dtype` (None: the reward's default, float32), scored in
+    chunks of `batch_size` samples when set."""
+    from flowrl.models import parse_dtype
+
+    rewards = {}
+    for spec in specs:
+        run = torch.device(device)
+        where = getattr(spec, "device", None)
+        here = run if where is None or (where == run.type and run.index is not None) else torch.device(where)
+        options = {"dtype": parse_dtype(spec.dtype)} if getattr(spec, "dtype", None) is not None else {}
+        reward = REWARDS.get(spec.name)(device=here, **options, **spec.kwargs)
+        size = getattr(spec, "batch_size", None)
+        rewards[spec.name] = BatchedReward(reward, size) if size is not None else reward
+    return rewards
+
+
+class BatchedReward:
+    """A reward called on at most `batch_size` samples at a time; scores and parts concatenated in order. Every
+    other attribute (registry_name, modalities, differentiable, the model) is the wrapped reward's."""
+
+    def __init__(self, reward: Any, batch_size: int):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be a whole number >= 1 (samples per reward call)")
+        self.reward, self.batch_size = reward, batch_size
+
+    def __getattr__(self, name: str) -> Any:  # only for names the wrapper lacks
+        if name == "reward":  # not yet set (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self.reward, name)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
+        b = self.batch_size
+        if len(prompts) <= b:
+            return self.reward(images, prompts, metadata)
+        chunks = [
+            self.reward(images[i : i + b], prompts[i : i + b], None if metadata is None else metadata[i : i + b])
+            for i in range(0, len(prompts), b)
+        ]
+        parts = {key: torch.cat([c.parts[key] for c in chunks]) for key in chunks[0].parts if all(key in c.parts for c in chunks)}
+        return RewardOutput(scores=torch.cat([c.scores for c in chunks]), parts=parts)
 
 
 @dataclass
@@ -162,9 +202,9 @@ def rollout_and_score(sampler, model, batch, scorer: Scorer, num_chunks: int, st
     score_fn = ranking_score_fn(scorer, weights or {})
     model.transformer.eval()
     for c in range(num_chunks):
-        tic = time.perf_counter()
+        tic = timed(model.device)  # synchronised on CUDA (flowrl.runs.Clock)
         part = sampler(model, batch.select(slice(c * chunk, (c + 1) * chunk)), score_fn=score_fn, step=step)
-        seconds += time.perf_counter() - tic
+        seconds += tic.seconds()
         parts.append(part)
         scorer.submit(part.images, part.prompts, part.metadata, offset=c * chunk)
     return Rollout.concat(parts), scorer.collect(), seconds

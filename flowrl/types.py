@@ -267,6 +267,10 @@ class FlowModel(Protocol):
     def adapter_disabled(self) -> AbstractContextManager:
         """Context in which `velocity` is the reference (base) model."""
 
+    def trainable_sigma_range(self) -> tuple[float, float]:
+        """[lo, hi]: the σ at which `velocity` runs `transformer` (the trained module); (0, 1) unless a family's
+        other module runs part of the trajectory (Wan 2.2 A14B's frozen expert). Nothing trains outside it."""
+
 
 class Reward(Protocol):
     modalities: tuple[str, ...]  # ("image",), ("video",) or both

@@ -1,14 +1,17 @@
-"""The artifact reward's VLM-judge backend: a transformers vision-language model from a local folder asked
+"""The artifact reward's VLM-judge backend: a transformers vision-language model (a local folder or a hub id) asked
 the ArtifactReward paper's yes/no question (docs/rewards.md#artifact-reward); returns logp_yes - logp_no at the first
 answer token, where each side sums the probability of its case/space variants that are single tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 import torch
 
+from flowrl.hub import hub_errors, is_hub_id
 from flowrl.media import to_uint8
 
 ARTIFACT_QUESTION = (
@@ -35,13 +38,11 @@ class VLMArtifactJudge:
 
         if not model_name:
             raise ValueError("artifact: backend='vlm' needs model_name=/path/to/vlm (e.g. a local Qwen2.5-VL-7B-Instruct folder)")
-        try:
-            self.processor = AutoProcessor.from_pretrained(model_name, local_files_only=True)
-            self.model = AutoModelForImageTextToText.from_pretrained(model_name, local_files_only=True, dtype=dtype)
-        except OSError:
-            raise FileNotFoundError(
-                f"artifact: VLM {model_name!r} is neither a local folder nor in the HF cache; get it with `huggingface-cli download {model_name}`"
-            ) from None
+        if not os.path.isdir(model_name) and not is_hub_id(model_name):
+            raise FileNotFoundError(f"artifact: model_name={model_name!r} is neither a local folder nor a hub id (org/name)")
+        with hub_errors(model_name, "artifact: VLM") if not os.path.isdir(model_name) else contextlib.nullcontext():
+            self.processor = AutoProcessor.from_pretrained(model_name)
+            self.model = AutoModelForImageTextToText.from_pretrained(model_name, dtype=dtype)
         self.model = self.model.to(device).eval().requires_grad_(False)
         self.device, self.question = device, question or ARTIFACT_QUESTION
         tokenizer = self.processor.tokenizer

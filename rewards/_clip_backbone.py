@@ -1,5 +1,6 @@
 """Shared CLIP pieces for the open_clip rewards (clipscore, hpsv2, aesthetic, temporal_consistency):
-offline weight resolution and a differentiable image preprocessing that mirrors open_clip's transform.
+weight resolution through the Hugging Face cache (downloaded unless HF_HUB_OFFLINE) and a differentiable image
+preprocessing that mirrors open_clip's transform.
 """
 
 from __future__ import annotations
@@ -42,25 +43,26 @@ class ImagePreprocess:
         return ((images - mean) / std).to(dtype)  # [N, 3, size, size]
 
 
-def _cached_open_clip_file(model: str, tag: str) -> tuple[str, dict[str, Any]]:
-    """Path of a pretrained tag's weights in the Hugging Face cache (never downloads)."""
+def _open_clip_file(model: str, tag: str) -> tuple[str, dict[str, Any]]:
+    """Path of a pretrained tag's weights: the Hugging Face cache, else a download unless HF_HUB_OFFLINE."""
     import open_clip
-    from huggingface_hub import try_to_load_from_cache
+
+    from flowrl.hub import HubUnavailableError, download_file
 
     cfg = open_clip.get_pretrained_cfg(model, tag)
     if not cfg:
         tags = open_clip.list_pretrained_tags_by_model(model)
         raise ValueError(f"pretrained={tag!r} is not an open_clip tag of {model!r}; use one of {tags} or a weights file path")
     repo = cfg.get("hf_hub", "").rstrip("/")
-    names = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
-    for filename in names if repo else ():
-        path = try_to_load_from_cache(repo, filename)
-        if isinstance(path, str) and os.path.isfile(path):
-            return path, cfg
-    raise FileNotFoundError(
-        f"open_clip weights for {model}/{tag} not found in the HF cache (expected {repo}/{names[0]}); "
-        f"get them with `huggingface-cli download {repo} {names[0]}` or pass pretrained=/path/to/weights"
-    )
+    if not repo:
+        raise FileNotFoundError(f"open_clip tag {model}/{tag} has no Hugging Face repository; pass pretrained=/path/to/weights")
+    failures = []
+    for filename in ("open_clip_model.safetensors", "open_clip_pytorch_model.bin"):  # the repo holds one of the two
+        try:
+            return download_file(repo, filename, f"open_clip weights {model}/{tag}:"), cfg
+        except HubUnavailableError as err:
+            failures.append(err)
+    raise next((err for err in failures if err.reason != "no_file"), failures[0])
 
 
 def load_open_clip(model: str, pretrained: str | None, device: Any, dtype: torch.dtype, checkpoint: str | None = None):
@@ -68,7 +70,7 @@ def load_open_clip(model: str, pretrained: str | None, device: Any, dtype: torch
 
     model: an open_clip architecture name ("ViT-L-14") or a local folder in open_clip's hub layout
       (open_clip_config.json + open_clip_model.safetensors). pretrained: an open_clip tag (looked up in the
-      HF cache only; None = "openai" for an architecture name) or a weights file; must be None with a folder. checkpoint: a further state dict loaded on top (e.g. HPS v2 weights;
+      HF cache, downloaded unless HF_HUB_OFFLINE; None = "openai" for an architecture name) or a weights file; must be None with a folder. checkpoint: a further state dict loaded on top (e.g. HPS v2 weights;
       a {"state_dict": ...} wrapper is accepted).
     """
     import open_clip
@@ -93,7 +95,7 @@ def load_open_clip(model: str, pretrained: str | None, device: Any, dtype: torch
                 raise FileNotFoundError(
                     f"pretrained weights file {pretrained!r} does not exist; pass an existing file or an open_clip tag"
                 )
-            path, cfg = _cached_open_clip_file(model, pretrained)
+            path, cfg = _open_clip_file(model, pretrained)
             kwargs["force_quick_gelu"] = bool(cfg.get("quick_gelu", False))
             kwargs["force_preprocess_cfg"] = {k: cfg[k] for k in ("mean", "std") if k in cfg}
             pretrained = path

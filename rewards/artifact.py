@@ -3,7 +3,7 @@
 Two backends:
   classifier  a small CNN trained by `scripts/train_artifact_reward.py --data DIR` on `clean/` vs `artifact/`
               images, saved as one safetensors file whose metadata holds its config; differentiable.
-  vlm         a vision-language judge from a local transformers folder answering a yes/no artifact question;
+  vlm         a transformers vision-language judge (local folder or hub id) answering a yes/no artifact question;
               P(artifact) = sigmoid(logp_yes - logp_no) at the first answer token (see _artifact_judge.py).
 """
 

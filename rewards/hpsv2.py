@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from flowrl.hub import download_file
 from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
@@ -15,19 +16,6 @@ from ._clip_backbone import load_open_clip, normalized
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
-
-
-def _cached_hps_checkpoint(version: str) -> str:
-    from huggingface_hub import try_to_load_from_cache
-
-    filename = HPS_FILES[version]
-    path = try_to_load_from_cache(HPS_REPO, filename)
-    if isinstance(path, str) and os.path.isfile(path):
-        return path
-    raise FileNotFoundError(
-        f"hpsv2: {filename} not found in the HF cache; get it with `huggingface-cli download {HPS_REPO} {filename}` "
-        f"or pass checkpoint=/path/to/{filename}"
-    )
 
 
 @REWARDS.register("hpsv2")
@@ -46,7 +34,8 @@ class HPSv2Reward:
     ):
         if version not in HPS_FILES:
             raise ValueError(f"hpsv2: version={version!r} is unknown; use one of {sorted(HPS_FILES)}")
-        checkpoint = checkpoint if checkpoint is not None else _cached_hps_checkpoint(version)
+        if checkpoint is None:  # the HF cache, else a download unless HF_HUB_OFFLINE
+            checkpoint = download_file(HPS_REPO, HPS_FILES[version], "hpsv2: checkpoint")
         if not os.path.isfile(checkpoint):
             raise FileNotFoundError(
                 f"hpsv2: checkpoint {checkpoint!r} does not exist; download {HPS_FILES[version]} from https://huggingface.co/{HPS_REPO}"

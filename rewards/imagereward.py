@@ -5,6 +5,7 @@ mapped onto them. Score = (MLP(text_encoder(prompt | image)[CLS]) - 0.16717) / 1
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from flowrl.hub import download_file, hub_errors, is_hub_id
 from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
@@ -42,16 +44,17 @@ def map_vision_key(key: str) -> str:
     raise ValueError(f"imagereward: unexpected vision key {key!r} in the checkpoint; pass the official ImageReward.pt")
 
 
-def _find(path: str | None, filename: str) -> str:
-    """The given path, or the file in the HF cache of THUDM/ImageReward; never downloads."""
+def _find(path: str | None, filename: str, field: str) -> str:
+    """The given path; else the image-reward package's copy in ~/.cache/ImageReward, or THUDM/ImageReward's file
+    through the HF cache (downloaded unless HF_HUB_OFFLINE)."""
     if path is None:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(REPO, filename)
-        path = cached if isinstance(cached, str) else os.path.expanduser(f"~/.cache/ImageReward/{filename}")
+        package_copy = os.path.expanduser(f"~/.cache/ImageReward/{filename}")
+        if os.path.isfile(package_copy):
+            return package_copy
+        return download_file(REPO, filename, f"imagereward: {field}")
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"imagereward: {filename} not found at {path!r}; get it with `huggingface-cli download {REPO} {filename}` and pass its path"
+            f"imagereward: {field}={path!r} does not exist; pass the path of {filename}, or leave {field} unset to use {REPO}'s"
         )
     return path
 
@@ -132,16 +135,19 @@ class ImageRewardReward:
 
         self.device, self.dtype = torch.device(device), dtype
         vision, text, head, size = load_imagereward(
-            _find(checkpoint, "ImageReward.pt"), _find(med_config, "med_config.json"), vision_num_heads
+            _find(checkpoint, "ImageReward.pt", "checkpoint"),
+            _find(med_config, "med_config.json", "med_config"),
+            vision_num_heads,
         )
         self.vision, self.text, self.head = (m.to(self.device, dtype).requires_grad_(False) for m in (vision, text, head))
         self.preprocess = ImagePreprocess(size)  # CLIP mean/std, bicubic resize + center crop, as the package
-        try:
-            self.tokenizer = BertTokenizer.from_pretrained(tokenizer, local_files_only=True)
-        except OSError:
-            raise FileNotFoundError(
-                f"imagereward: tokenizer {tokenizer!r} is neither a local folder nor in the HF cache; get it with `huggingface-cli download {tokenizer}`"
-            ) from None
+        if not os.path.isdir(tokenizer):  # a hub id such as bert-base-uncased
+            if "/" in tokenizer and not is_hub_id(tokenizer):
+                raise FileNotFoundError(f"imagereward: tokenizer folder {tokenizer!r} does not exist; pass a folder or a hub id")
+            # the vocabulary first: offline, transformers 5 returns an almost empty tokenizer instead of raising
+            download_file(tokenizer, "vocab.txt", "imagereward: tokenizer")
+        with hub_errors(tokenizer, "imagereward: tokenizer") if not os.path.isdir(tokenizer) else contextlib.nullcontext():
+            self.tokenizer = BertTokenizer.from_pretrained(tokenizer)
         self.tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})  # BLIP's init_tokenizer
         if len(self.tokenizer) != text.config.vocab_size:
             raise ValueError(

@@ -4,10 +4,12 @@ through transformers' CLIPModel and the processor settings of laion/CLIP-ViT-H-1
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
+from flowrl.hub import hub_errors, is_hub_id
 from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
@@ -15,15 +17,23 @@ from flowrl.types import RewardOutput
 from ._clip_backbone import ImagePreprocess, normalized
 
 
-def _from_local(cls: Any, name: str, what: str) -> Any:
-    """from_pretrained restricted to a local folder or the HF cache (never downloads)."""
-    try:
-        return cls.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError) as err:
+def _pretrained(cls: Any, name: str, what: str, **kwargs: Any) -> Any:
+    """from_pretrained of a local folder, or of a hub id as transformers does it (the cache, else a download unless
+    HF_HUB_OFFLINE), with one-line errors."""
+    if os.path.isdir(name):
+        return cls.from_pretrained(name, **kwargs)
+    if not is_hub_id(name):
         raise FileNotFoundError(
-            f"pickscore: {what} {name!r} is neither a local folder nor in the HF cache ({type(err).__name__}); "
-            f"get it with `huggingface-cli download {name}` or pass a local folder"
-        ) from None
+            f"pickscore: {what} {name!r} is neither a local folder nor a hub id (org/name); pass one of those"
+        )
+    with hub_errors(name, f"pickscore: {what}"):
+        return cls.from_pretrained(name, **kwargs)
+
+
+def features(output: Any) -> torch.Tensor:
+    """CLIPModel.get_image_features / get_text_features: a tensor [N, D] in transformers 4.x, an output whose
+    `pooler_output` is that tensor in 5.x."""
+    return output if isinstance(output, torch.Tensor) else output.pooler_output
 
 
 def _pixel_size(value: Any) -> int:
@@ -48,7 +58,7 @@ class PickScoreReward:
         from transformers import CLIPModel, CLIPProcessor
 
         self.device, self.dtype = torch.device(device), dtype
-        processor = _from_local(CLIPProcessor, processor_name or model_name, "processor")
+        processor = _pretrained(CLIPProcessor, processor_name or model_name, "processor")
         self.tokenizer = processor.tokenizer
         if len(self.tokenizer) <= 10:
             raise FileNotFoundError(
@@ -59,7 +69,8 @@ class PickScoreReward:
         self.preprocess = ImagePreprocess(
             _pixel_size(image_processor.crop_size), tuple(image_processor.image_mean), tuple(image_processor.image_std)
         )
-        self.model = _from_local(CLIPModel, model_name, "model").to(self.device, dtype).eval().requires_grad_(False)
+        model = _pretrained(CLIPModel, model_name, "model", dtype=dtype)  # loaded in `dtype`: no float32 copy first
+        self.model = model.to(self.device, dtype).eval().requires_grad_(False)
 
     def _pixels(self, images: torch.Tensor) -> torch.Tensor:
         if self.resize != self.preprocess.size:  # processor resizes the short side first, then crops
@@ -69,9 +80,9 @@ class PickScoreReward:
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         check_inputs(self.registry_name, images, prompts, metadata)
         pixel_values = self._pixels(images.to(self.device, self.dtype))
-        image_embeds = normalized(self.model.get_image_features(pixel_values=pixel_values).pooler_output)  # [N, D]
+        image_embeds = normalized(features(self.model.get_image_features(pixel_values=pixel_values)))  # [N, D]
         with torch.no_grad():
             tokens = self.tokenizer(prompts, padding=True, truncation=True, max_length=77, return_tensors="pt").to(self.device)
-            text_embeds = normalized(self.model.get_text_features(**tokens).pooler_output)  # [N, D]
+            text_embeds = normalized(features(self.model.get_text_features(**tokens)))  # [N, D]
         scores = self.model.logit_scale.exp() * (image_embeds * text_embeds).sum(-1)  # [N]
         return RewardOutput(scores=scores.float())

@@ -20,6 +20,7 @@ from flowrl.models.conditioning import encode_prompts
 from flowrl.registry import SAMPLERS
 from flowrl.sde_memoryless import MEMORYLESS_NOISE_LEVEL
 from flowrl.seeds import NOISE_STREAM, sample_generators, window_start
+from flowrl.sigma_range import describe, trainable_steps
 from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
 
 
@@ -187,18 +188,30 @@ class SDESampler:
             out.add("memoryless")
         return frozenset(out)
 
-    def window_range(self) -> tuple[int, int]:
-        if self.sde_window_range is None:
-            return (0, max(self.num_steps - 1, 1))
-        return tuple(self.sde_window_range)
+    def window_range(self, trainable: torch.Tensor | None = None) -> tuple[int, int]:
+        """[r0, r1) where the window may lie; with `trainable` [T] bool, only among the steps the model trains."""
+        r0, r1 = (0, max(self.num_steps - 1, 1)) if self.sde_window_range is None else tuple(self.sde_window_range)
+        if trainable is None or bool(trainable.all()):
+            return r0, r1
+        index = trainable.nonzero().flatten().tolist()  # contiguous on a monotone grid
+        lo, hi = max(r0, index[0] if index else r1), min(r1, index[-1] + 1 if index else r1)
+        if hi - lo < self.sde_window_size:
+            raise ValueError(
+                f"sampler.sde_window_size={self.sde_window_size} in sde_window_range=({r0}, {r1}) of {self.num_steps} "
+                f"steps: the model trains {describe(trainable)} only (model.train_expert's σ range); move the window "
+                "there or train the other expert"
+            )
+        return lo, hi
 
     def grid(self, model: FlowModel) -> torch.Tensor:
         if self.sigma_schedule == "dance":
             return sde.dance_sigmas(self.num_steps, self.sigma_shift, self.sigma_max)
         return model.sigmas(self.num_steps, *resolve_size(self, model))
 
-    def noise_levels(self, seeds: torch.Tensor, step: int = 0) -> torch.Tensor:
-        """[N, T] noise level of each transition: the window's steps get `noise_level`, the rest 0 (Euler)."""
+    def noise_levels(self, seeds: torch.Tensor, step: int = 0, trainable: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, T] noise level of each transition: the window's steps get `noise_level`, the rest 0 (Euler). `trainable`
+        [T] bool: the steps the model trains (flowrl.sigma_range; None = all): a window lies among them (without a
+        window every step but the last stays stochastic, the rollout's law, and a trainer trains the trainable ones)."""
         n, t = len(seeds), self.num_steps
         levels = torch.zeros(n, t, dtype=torch.float32)  # [N, T]
         if self.noise_level == 0:
@@ -207,7 +220,7 @@ class SDESampler:
             # every transition but the last (σ_{T-1} -> 0 is a near-degenerate Gaussian), as Flow-GRPO trains
             levels[:, : max(t - 1, 1)] = self.noise_level
             return levels
-        r0, r1 = self.window_range()
+        r0, r1 = self.window_range(trainable)
         w = self.sde_window_size
         if self.sde_window_mode == "sliding":
             starts = torch.full((n,), r0 + (step // self.sde_window_shift_every_n_steps) % (r1 - w - r0 + 1))
@@ -231,7 +244,7 @@ class SDESampler:
         guidance, cond, seeds, latents, _ = start_rollout(self, model, batch, generator)
         # 3. Time grid and per-transition noise levels
         sigmas = self.grid(model).to(model.device)  # [T+1]
-        levels = self.noise_levels(seeds, step).to(model.device)  # [N, T]
+        levels = self.noise_levels(seeds, step, trainable_steps(model, sigmas)).to(model.device)  # [N, T]
         # 4. Denoising loop
         noise_generators = sample_generators(seeds, model.device, offset=NOISE_STREAM)
         trajectory, log_probs = integrate(model, latents, sigmas, cond, guidance, levels, self.rule, noise_generators)

@@ -41,6 +41,16 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def pretrained_dtype(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype argument of diffusers' `from_pretrained` in the form the installed version honours: `dtype` from
+    0.40 on, `torch_dtype` before (0.35-0.39 ignore `dtype` with a warning and load float32; 0.40+ deprecate
+    `torch_dtype`)."""
+    import diffusers
+    from packaging.version import Version
+
+    return {"dtype": dtype} if Version(diffusers.__version__).release >= (0, 40) else {"torch_dtype": dtype}
+
+
 def _looks_like_hub_id(name: str) -> bool:
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
@@ -52,15 +62,17 @@ def load_flow_model(
     device: str | torch.device = "cpu",
     max_sequence_length: int | None = None,
     mixed_precision: str = "fp32",
+    sharded: bool = False,
     **kwargs,
 ):
     """Load a FlowModel: 'toy' (the shipped Shapes model), a local diffusers folder, or a hub id.
 
     A local folder never touches the network; a hub id downloads only because the user named one.
     `max_sequence_length` (None: the pipeline's default) sets the text tokens per prompt; `mixed_precision`
-    (fp32, bf16, fp16) the autocast every `velocity` call runs under.
+    (fp32, bf16, fp16) the autocast every `velocity` call runs under. `sharded` (FSDP2 will shard the transformer):
+    the transformer and the text encoders stay on the CPU, the rest goes to `device` (flowrl.models.placement).
     """
-    model = _load(path_or_hub_id, parse_dtype(dtype), device, **kwargs)
+    model = _load(path_or_hub_id, parse_dtype(dtype), device, sharded, **kwargs)
     if max_sequence_length is not None:
         if not hasattr(model, "set_max_sequence_length"):
             raise ValueError(
@@ -72,10 +84,12 @@ def load_flow_model(
     return model
 
 
-def build_policy(model_cfg, device: str | torch.device):
+def build_policy(model_cfg, device: str | torch.device, sharded: bool = False):
     """The model a recipe trains, from its `model:` config section: loaded, autocast set, the adapter added (or
     loaded from `init_lora`), gradient checkpointing on request, trained weights in float32 (frozen parts keep
-    `model.dtype`). Call after seeding: a fresh adapter's initial weights come from the global RNG."""
+    `model.dtype`). Call after seeding: a fresh adapter's initial weights come from the global RNG. `sharded` (the
+    run shards the transformer with FSDP2): loaded for sharding, the transformer left on the CPU until
+    `fully_shard` moves it shard by shard (flowrl.models.placement)."""
     m = model_cfg
     extra = {"train_expert": m.train_expert} if m.train_expert is not None else {}
     extra.update(m.family_kwargs or {})
@@ -85,6 +99,7 @@ def build_policy(model_cfg, device: str | torch.device):
         device=device,
         max_sequence_length=m.max_sequence_length,
         mixed_precision=m.mixed_precision,
+        sharded=sharded,
         **extra,
     )
     if m.use_lora:
@@ -102,14 +117,20 @@ def build_policy(model_cfg, device: str | torch.device):
     for p in model.transformer.parameters():
         if p.requires_grad:
             p.data = p.data.float()
+    from flowrl.models.switches import apply_switches
+
+    apply_switches(model, m)  # prompt cache, offload, VAE, attention, TF32, compile (docs/models.md#memory-and-speed)
     return model
 
 
-def _load(path_or_hub_id: str, dtype: torch.dtype, device, **kwargs):
+def _load(path_or_hub_id: str, dtype: torch.dtype, device, sharded: bool = False, **kwargs):
+    import contextlib
     import importlib
     import inspect
 
     from diffusers import DiffusionPipeline
+
+    from flowrl.hub import hub_errors
 
     if path_or_hub_id == "toy":
         from flowrl.models.toy import load_toy_model
@@ -134,16 +155,24 @@ def _load(path_or_hub_id: str, dtype: torch.dtype, device, **kwargs):
         )
     if class_name is not None and class_name not in ADAPTERS:
         raise ValueError(f"pipeline class {class_name!r} is not supported; supported: {', '.join(ADAPTERS)}")
-    pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype)
+    # a hub id's download failures (offline, gated, missing, no network) become one line naming the fix
+    with hub_errors(source, "model") if class_name is None else contextlib.nullcontext():
+        pipe = DiffusionPipeline.from_pretrained(source, **pretrained_dtype(dtype))
     class_name = type(pipe).__name__
     if class_name not in ADAPTERS:
         raise ValueError(f"pipeline class {class_name!r} is not supported; supported: {', '.join(ADAPTERS)}")
     pipe.set_progress_bar_config(disable=True)
-    pipe.to(device)
+    if not sharded:  # under FSDP2 nothing moves whole: placement below
+        pipe.to(device)
     module, cls = ADAPTERS[class_name]
     adapter = getattr(importlib.import_module(module), cls)
     accepted = inspect.signature(adapter.__init__).parameters
     for key in kwargs:
         if key not in accepted:
             raise ValueError(f"model.{key}={kwargs[key]!r} does not apply to {class_name} checkpoints; leave it unset")
-    return adapter(pipe, device=device, dtype=dtype, **kwargs)
+    model = adapter(pipe, device=device, dtype=dtype, **kwargs)
+    if sharded:
+        from flowrl.models.placement import place_for_sharding
+
+        place_for_sharding(model, device)
+    return model

@@ -7,13 +7,16 @@ called and how latents decode. Time arithmetic comes from `flowrl.sde`.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from flowrl.models.lora import LoRAMixin
+from flowrl.models.placement import on_device
 from flowrl.models.precision import AutocastMixin
+from flowrl.models.prompt_cache import PromptCache
 from flowrl.types import Cond, concat_cond
 
 
@@ -26,6 +29,7 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
     default_guidance_scale: float = 1.0
     max_sequence_length: int = 512  # text tokens per prompt; each family states its pipeline's default
     conditioning: str | None = None  # "image": edit / image-to-video families take a source image per sample
+    offloaded: tuple[torch.nn.Module, ...] = ()  # text encoders kept on the CPU (flowrl.models.placement)
 
     def __init__(self, pipe: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.pipe = pipe
@@ -36,7 +40,7 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
             if isinstance(component, torch.nn.Module):
                 component.eval()
                 component.requires_grad_(False)
-        self._cache: dict[tuple, Cond] = {}  # (prompt, negative[, image, size]) -> rows [1]
+        self._cache = PromptCache()  # (prompt, negative[, image, size]) -> rows [1], LRU by bytes
 
     # ----------------------------------------------------------------------------------------- prompts
     def _encode_batch(self, prompts: list[str], negative_prompt: str | None) -> Cond:
@@ -71,9 +75,18 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
             keys = [(p, negative, image, tuple(size)) for p, image in zip(prompts, images)]
         # one prompt per text-encoder call: an embedding must not depend on which prompts shared its batch
         # (batch-size-dependent numerics would make a resumed run drift from an uninterrupted one)
-        for key in dict.fromkeys(k for k in keys if k not in self._cache):
-            self._cache[key] = self._encode_batch([key[0]], negative) if len(key) == 2 else self._encode_source(*key)
-        return concat_cond([self._cache[k] for k in keys])
+        rows = {k: self._cache.get(k, self.device) for k in dict.fromkeys(keys) if k in self._cache}
+        missing = [k for k in dict.fromkeys(keys) if k not in rows]
+        with on_device(self.offloaded, self.device) if missing else contextlib.nullcontext():
+            for key in missing:
+                rows[key] = self._encode_batch([key[0]], negative) if len(key) == 2 else self._encode_source(*key)
+                self._cache.put(key, rows[key])
+        return concat_cond([rows[k] for k in keys])
+
+    def set_prompt_cache(self, max_bytes: int, device: str = "model") -> None:
+        """Bound the prompt cache to `max_bytes` (least recently used prompts go first) and keep it on the model's device
+        or the CPU (`device="cpu"`: each batch's rows are copied to the model's device); clears it."""
+        self._cache = PromptCache(max_bytes, device)
 
     def clear_prompt_cache(self) -> None:
         """Forget every encoded prompt: the next `encode` runs the text encoders again."""
@@ -179,6 +192,10 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
 
     def enable_gradient_checkpointing(self) -> None:
         self.transformer.enable_gradient_checkpointing()
+
+    def trainable_sigma_range(self) -> tuple[float, float]:
+        """[lo, hi]: the σ at which `velocity` runs the trained module; every σ (two-expert families narrow it)."""
+        return 0.0, 1.0
 
     # ----------------------------------------------------------------------------------------- LoRA
     def _write_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> None:

@@ -82,14 +82,27 @@ class QwenImageFlowModel(PackedLatentsMixin, PipelineFlowModel):
     def _text_groups(self, mask: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
         """(text length, rows) of each transformer call: a row's prompt tokens (through its last unmasked one) rounded
         up to `text_padding_multiple`, at most the cache's width. A sample's padding thus depends on its own prompt
-        only, never on its batch-mates; rows None: every row shares one length."""
+        only, never on its batch-mates; rows None: every row shares one length. Under FSDP2 every process makes one
+        call at the longest length over all processes' rows (`_sharded`)."""
         m, width = self.text_padding_multiple, mask.shape[1]
         last = width - mask.bool().flip(1).int().argmax(1)  # [N] one past the last unmasked token (all masked: width)
         lengths = ((last + m - 1) // m * m).clamp(min=m, max=width)
+        if self._sharded():
+            longest = lengths.max().reshape(1).clone()
+            torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+            return [(int(longest), None)]
         values = lengths.unique().tolist()
         if len(values) == 1:
             return [(values[0], None)]
         return [(length, (lengths == length).nonzero().flatten()) for length in values]
+
+    def _sharded(self) -> bool:
+        """Whether FSDP2 shards the transformer over processes. Each call then all-gathers its weights, a collective:
+        every process must make the same number of calls, which a call per padded length per process would not
+        (processes hold prompts of different lengths), so all of them pad to one length agreed with an all-reduce."""
+        from torch.distributed.fsdp import FSDPModule
+
+        return isinstance(self.transformer, FSDPModule) and torch.distributed.get_world_size() > 1
 
     def _forward(self, latents, timestep, embeds, mask, img_shapes):
         """The transformer over text trimmed per row (`_text_groups`): the masked padding past a prompt's own

@@ -268,6 +268,10 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
     def enable_gradient_checkpointing(self) -> None:
         self.transformer.enable_gradient_checkpointing()
 
+    def trainable_sigma_range(self) -> tuple[float, float]:
+        """[lo, hi]: the σ at which `velocity` runs the trained module; every σ (two-expert families narrow it)."""
+        return 0.0, 1.0
+
 
 # ---- shipped weights ------------------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ True CFG makes two forward calls (conditional, then unconditional) exactly as th
 two-expert checkpoints (A14B: `transformer_2` with a `boundary_ratio`) pick the expert per sample by timestep, as
 the pipeline picks it per step (`transformer` at t >= boundary_ratio·1000, `transformer_2` below), with the same
 guidance scale for both (the pipeline's default for `guidance_scale_2`); the trained module (where LoRA lives) is
-`transformer`, the high-noise expert, unless `train_expert="low"` is passed. Wan 2.2 TI2V-5B text-to-video
+`transformer`, the high-noise expert, unless `train_expert="low"` is passed; `trainable_sigma_range()` says where
+the trained expert runs, and samplers and trainers train only there. Wan 2.2 TI2V-5B text-to-video
 (`expand_timesteps`) hands the transformer one timestep per latent token, as its pipeline does
 (docs/models.md#wan-22).
 """
@@ -86,15 +87,38 @@ class WanFlowModel(PipelineFlowModel):
             timestep = timestep[:, None].expand(-1, f * ((h + 1) // 2) * ((w + 1) // 2))  # [N, L]
         return module(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
 
+    def _two_experts(self) -> bool:
+        return self.pipe.config.get("boundary_ratio", None) is not None and getattr(self.pipe, "transformer_2", None) is not None
+
+    def _high_noise(self, sigma: torch.Tensor) -> torch.Tensor:
+        """[N] bool: the rows the high-noise expert (`pipe.transformer`) runs, t ≥ boundary_ratio·1000 as the pipeline."""
+        from flowrl.sde import timesteps_from_sigmas
+
+        return timesteps_from_sigmas(sigma) >= self.pipe.config.boundary_ratio * self.pipe.scheduler.config.num_train_timesteps
+
+    def trainable_sigma_range(self) -> tuple[float, float]:
+        """[lo, hi]: the σ (float32) at which `velocity` runs the trained expert; (0, 1) with one expert. High:
+        [boundary_ratio, 1], low: [0, the float32 just below boundary_ratio] (docs/models.md#wan-22)."""
+        if not self._two_experts():
+            return 0.0, 1.0
+        edge = torch.tensor(self.pipe.config.boundary_ratio, dtype=torch.float32)  # the smallest high-noise σ
+        down, up = torch.tensor(0.0), torch.tensor(1.0)
+        while edge < 1 and not self._high_noise(edge):
+            edge = torch.nextafter(edge, up)
+        while edge > 0 and self._high_noise(torch.nextafter(edge, down)):
+            edge = torch.nextafter(edge, down)
+        if self.transformer is self.pipe.transformer:
+            return float(edge), 1.0
+        return 0.0, float(torch.nextafter(edge, down))
+
     def _velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance_scale: float) -> torch.Tensor:
         from flowrl.sde import timesteps_from_sigmas
 
         timestep = timesteps_from_sigmas(sigma)  # [N]
-        boundary = self.pipe.config.get("boundary_ratio", None)
-        transformer_2 = getattr(self.pipe, "transformer_2", None)
-        if boundary is None or transformer_2 is None:
+        if not self._two_experts():
             return self._guided(self.pipe.transformer, latents, timestep, cond, guidance_scale)
-        high = timestep >= boundary * self.pipe.scheduler.config.num_train_timesteps  # [N]
+        transformer_2 = self.pipe.transformer_2
+        high = self._high_noise(sigma)  # [N]
         out = torch.empty_like(latents)
         for mask, module in ((high, self.pipe.transformer), (~high, transformer_2)):
             if mask.any():

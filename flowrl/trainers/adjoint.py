@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import time
 from dataclasses import dataclass
 
 import torch
 
 from flowrl.checkpoint import resume_recipe, save_recipe
 from flowrl.config import RunConfig
-from flowrl.distributed import make_accelerator
+from flowrl.distributed import Sharding, make_accelerator
 from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import adjoint_matching_loss
 from flowrl.models import build_policy
@@ -38,10 +37,11 @@ from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
 from flowrl.recipes import rollout_carries
 from flowrl.registry import REWARDS, SAMPLERS
-from flowrl.runs import RunFolder, step_metrics, train_loop
+from flowrl.runs import RunFolder, step_metrics, timed, train_loop
 from flowrl.scoring import build_rewards
 from flowrl.sde_memoryless import adjoint_residual, lean_adjoint
 from flowrl.seeds import step_generator
+from flowrl.sigma_range import check_trainable, trainable_steps
 from flowrl.types import Rollout, select_cond
 
 MEMORYLESS_SAMPLER = "sampler: {name: sde, kind: flow_grpo, noise_level: 1.4142135623730951, sigma_schedule: dance, sigma_shift: 1.0, sigma_max: 0.975}"
@@ -67,9 +67,12 @@ class AdjointMatchingConfig(OptimizerConfig):
     ema_every_n_steps: int = 1
 
 
-def loss_times(sigmas: torch.Tensor, below: float, num_random: int, generator: torch.Generator) -> list[int]:
-    """Grid indices k (σ_k > 0) trained this step: all with σ_k ≤ `below`, plus `num_random` of the others at random."""
-    indices = [k for k in range(len(sigmas) - 1) if float(sigmas[k]) > 0]
+def loss_times(
+    sigmas: torch.Tensor, below: float, num_random: int, generator: torch.Generator, trainable: torch.Tensor | None = None
+) -> list[int]:
+    """Grid indices k (σ_k > 0) trained this step: all with σ_k ≤ `below`, plus `num_random` of the others at random;
+    with `trainable` [T] bool (the times the model trains, flowrl.sigma_range), among those only."""
+    indices = [k for k in range(len(sigmas) - 1) if float(sigmas[k]) > 0 and (trainable is None or bool(trainable[k]))]
     late = [k for k in indices if float(sigmas[k]) <= below]
     early = [k for k in indices if float(sigmas[k]) > below]
     picked = torch.randperm(len(early), generator=generator)[: min(num_random, len(early))].tolist()
@@ -127,10 +130,11 @@ class AdjointMatchingTrainer:
         self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
         self.prompt_sampler, self.local_n = step_batches(cfg, self.sampler, acc.num_processes)
         set_seed(cfg.seed)
-        self.model = build_policy(cfg.model, acc.device)
+        self.model = build_policy(cfg.model, acc.device, sharded=Sharding(acc).kind == "fsdp")  # FSDP2: loaded for sharding
+        check_trainable("adjoint_matching", self.sampler, self.model)  # loss times only where the trained module runs
         self.base = None
         if not cfg.model.use_lora:  # full fine-tuning: the base is a frozen copy of the starting weights
-            self.base = copy.deepcopy(self.model.transformer).requires_grad_(False).eval()
+            self.base = copy.deepcopy(self.model.transformer).requires_grad_(False).eval().to(acc.device)
         self.opt = OptimizerStep(acc, self.model.transformer, t, self.local_n // t.num_minibatches, cfg.model.mixed_precision)
         self.ema = EMA(self.opt.names, self.opt.params, t.ema_decay, t.ema_every_n_steps, t.ema_mode) if t.use_ema else None
         guidance = getattr(self.sampler, "guidance_scale", None)
@@ -160,45 +164,44 @@ class AdjointMatchingTrainer:
     # ------------------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
         t, acc, model = self.cfg.train, self.accelerator, self.model
-        started = time.perf_counter()
+        started = timed(acc.device)
 
         # 1. Prompts
         batch = self.prompt_sampler.local_batch(self.step, acc.process_index, acc.num_processes)
 
         # 2. Rollout: the memoryless SDE of the current weights, no gradient
-        tic = time.perf_counter()
+        tic = timed(acc.device)
         model.transformer.eval()
         size = self.local_n // t.num_rollout_batches
         chunks = [batch.select(slice(c * size, (c + 1) * size)) for c in range(t.num_rollout_batches)]
         rollout = Rollout.concat([self.sampler(model, chunk, step=self.step) for chunk in chunks])
         latents, sigmas, cond = rollout.latents.to(acc.device), rollout.sigmas.to(acc.device), rollout.cond
-        rollout_s = time.perf_counter() - tic
+        rollout_s = tic.seconds()
 
         # 3. Score: the weighted reward and its gradient at the clean endpoint, through the decoder
-        tic = time.perf_counter()
+        tic = timed(acc.device)
         x_end = latents[:, -1].detach().requires_grad_(True)
         with torch.enable_grad():
             images = model.decode(x_end)
             parts = {name: r(images, batch.prompts, batch.metadata).scores.float() for name, r in self.rewards.items()}
             total = sum(self.weights[name] * score for name, score in parts.items())  # [N]
             (grad,) = torch.autograd.grad(total.sum(), x_end)
-        reward_s = time.perf_counter() - tic
+        reward_s = tic.seconds()
         metrics = {f"reward/{name}/mean": float(acc.reduce(s.detach().mean(), "mean")) for name, s in parts.items()}
         metrics["reward/total/mean"] = float(acc.reduce(total.detach().mean(), "mean"))
 
         # 4. Adjoint and 5. loss times (the same on every process: the step's own generator)
-        tic = time.perf_counter()
-        keep = loss_times(
-            sigmas.cpu(), t.all_loss_times_below_sigma, t.num_random_loss_times, step_generator(self.cfg.seed, self.step)
-        )
+        tic = timed(acc.device)
+        gen, trainable = step_generator(self.cfg.seed, self.step), trainable_steps(self.model, sigmas)
+        keep = loss_times(sigmas.cpu(), t.all_loss_times_below_sigma, t.num_random_loss_times, gen, trainable)
         adjoints, v_base = self._adjoint(latents, sigmas, cond, -t.reward_multiplier * grad.detach(), keep)
 
         # 6. Optimise
         metrics.update(self._optimise(latents, sigmas, cond, adjoints, v_base, keep))
-        optimise_s = time.perf_counter() - tic
+        optimise_s = tic.seconds()
 
         # 7. Log
-        wall = time.perf_counter() - started
+        wall = started.seconds()
         n = self.local_n
         metrics.update(step_metrics(wall, rollout_s, reward_s, optimise_s, n * acc.num_processes, 0, torch.tensor(n)))
         metrics["train/grad_reward_norm"] = float(grad.flatten(1).norm(dim=1).mean())

@@ -21,7 +21,6 @@ Only the clipped-ratio optimisation (stage 6) is GRPO's own; everything else is 
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
@@ -43,9 +42,10 @@ from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
 from flowrl.recipes import balancer_needs, rollout_carries
 from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.runs import RunFolder, step_metrics, train_loop
+from flowrl.runs import RunFolder, step_metrics, timed, train_loop
 from flowrl.samplers.candidates import candidate_metrics
 from flowrl.scoring import Scorer, balance_per_reward, build_rewards, rollout_and_score
+from flowrl.sigma_range import check_trainable, on_trainable_steps
 from flowrl.tagrpo import Alignment, MemoryBank, TAGRPOConfig, alignment_loss, start_key
 from flowrl.types import Rollout, select_cond
 
@@ -289,7 +289,8 @@ class GRPOTrainer:
                 stacklevel=2,
             )
         set_seed(cfg.seed)  # every process starts from the same adapter
-        self.model = build_policy(cfg.model, acc.device)
+        self.model = build_policy(cfg.model, acc.device, sharded=Sharding(acc).kind == "fsdp")  # FSDP2: loaded for sharding
+        check_trainable("grpo", self.sampler, self.model)  # a window on a frozen expert's steps trains nothing
         self.opt = OptimizerStep(acc, self.model.transformer, t, self.local_n // t.num_minibatches, cfg.model.mixed_precision)
         self.ema = EMA(self.opt.names, self.opt.params, t.ema_decay, t.ema_every_n_steps, t.ema_mode) if t.use_ema else None
         self.rewards = build_rewards(cfg.rewards, acc.device)
@@ -312,7 +313,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
         t, acc, model = self.cfg.train, self.accelerator, self.model
-        started = time.perf_counter()
+        started = timed(acc.device)
 
         # 1. Prompts
         batch = self.prompt_sampler.local_batch(self.step, acc.process_index, acc.num_processes)
@@ -330,15 +331,15 @@ class GRPOTrainer:
             keep &= local_adv != 0
 
         # 6. Optimise (eval mode kept: the recomputed log-probs must equal the rollout's on the first pass)
-        tic = time.perf_counter()
+        tic = timed(acc.device)
         alignment = self._alignment(rollout, batch, local, keep) if t.tagrpo.enabled else None
         metrics.update(
             self._optimise(rollout, local_adv.to(acc.device), keep.to(acc.device), per_reward.to(acc.device), alignment)
         )
-        optimise_s = time.perf_counter() - tic
+        optimise_s = tic.seconds()
 
         # 7. Log
-        wall = time.perf_counter() - started
+        wall = started.seconds()
         samples = self.local_n * acc.num_processes
         metrics.update(step_metrics(wall, rollout_s, local.seconds, optimise_s, samples, errors, keep.sum()))
         self.step += 1
@@ -370,6 +371,7 @@ class GRPOTrainer:
         n = self.local_n
         gen = seed_formulas.step_generator(self.cfg.seed, self.step)
         credit = transition_advantages(rollout, advantages, keep, t, self.step, self.cfg.num_steps)
+        credit = credit._replace(transitions=on_trainable_steps(credit.transitions, rollout.sigmas, model))
         steps = trained_transitions(credit.transitions, n, t.timestep_fraction, t.shuffle_timesteps, gen)
         counts = shared_counts(steps, credit.shared_by).to(acc.device)  # [N]
         if self.opt.sharding.kind is not None and not same_on_every_process(acc, [len(s) for s in steps]):

@@ -24,7 +24,6 @@ Only stage 6 (and sampling with θ_old) is NFT's own; everything else is a compo
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +32,7 @@ from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.checkpoint import resume_recipe, save_recipe
 from flowrl.config import RunConfig
-from flowrl.distributed import kept_per_process, make_accelerator
+from flowrl.distributed import Sharding, kept_per_process, make_accelerator
 from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import ADV_MODES, nft_loss, velocity_kl
 from flowrl.marble import RewardGradients
@@ -42,9 +41,10 @@ from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
 from flowrl.recipes import balancer_needs, rollout_carries
 from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.runs import RunFolder, step_metrics, train_loop
+from flowrl.runs import RunFolder, step_metrics, timed, train_loop
 from flowrl.samplers.candidates import candidate_metrics
 from flowrl.scoring import Scorer, balance_per_reward, build_rewards, rollout_and_score
+from flowrl.sigma_range import check_trainable, trainable_steps
 from flowrl.types import select_cond
 
 OLD = "old"  # the sampling policy's adapter name; the trained one is "default"
@@ -95,14 +95,23 @@ def old_policy_decay(decay_type: int, optimizer_steps: int, cap: float | None = 
     raise ValueError(f"train.decay_type={decay_type} must be one of {DECAY_TYPES}")
 
 
-def training_times(generators: list[torch.Generator], grid: torch.Tensor, fraction: float) -> torch.Tensor:
+def training_times(
+    generators: list[torch.Generator], grid: torch.Tensor, fraction: float, trainable: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per sample (one generator each), the grid indices trained on: the first int(T·fraction) of a random
-    permutation of the T grid times (sigmas[:-1], every time with σ > 0). Returns [N, K] int64."""
+    permutation of the T grid times (sigmas[:-1], every time with σ > 0); with `trainable` [T] bool (the times the
+    model trains, flowrl.sigma_range), of those times only. Returns [N, K] int64."""
     num_times = len(grid) - 1
-    k = int(num_times * fraction + 1e-6)
+    candidates = torch.arange(num_times) if trainable is None else trainable.cpu().nonzero().flatten()  # [T']
+    if len(candidates) == 0:
+        raise ValueError(
+            f"sampler.num_steps={num_times}: no time of the rollout's grid is one the model trains (model.train_expert's "
+            "σ range); add steps or train the other expert"
+        )
+    k = int(len(candidates) * fraction + 1e-6)
     if k < 1:
-        raise ValueError(f"train.timestep_fraction={fraction} of a {num_times}-step grid trains no time; raise it")
-    return torch.stack([torch.randperm(num_times, generator=g)[:k] for g in generators])
+        raise ValueError(f"train.timestep_fraction={fraction} of {len(candidates)} trainable grid times trains no time; raise it")
+    return torch.stack([candidates[torch.randperm(len(candidates), generator=g)[:k]] for g in generators])
 
 
 class NFTTrainer:
@@ -138,7 +147,8 @@ class NFTTrainer:
         self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
         self.prompt_sampler, self.local_n = step_batches(cfg, self.sampler, acc.num_processes)
         set_seed(cfg.seed)  # every process starts from the same adapter
-        self.model = build_policy(cfg.model, acc.device)
+        self.model = build_policy(cfg.model, acc.device, sharded=Sharding(acc).kind == "fsdp")  # FSDP2: loaded for sharding
+        check_trainable("nft", self.sampler, self.model)  # a grid with no time on the trained expert trains nothing
         self.model.copy_adapter("default", OLD)  # θ_old = θ (= the reference while LoRA B = 0)
         self.opt = OptimizerStep(acc, self.model.transformer, t, self.local_n // t.num_minibatches, cfg.model.mixed_precision)
         self.old_params = self.model.adapter_parameters(OLD)  # after sharding: the live (possibly sharded) tensors
@@ -164,7 +174,7 @@ class NFTTrainer:
     # ------------------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
         t, acc, model = self.cfg.train, self.accelerator, self.model
-        started = time.perf_counter()
+        started = timed(acc.device)
 
         # 1. Prompts
         batch = self.prompt_sampler.local_batch(self.step, acc.process_index, acc.num_processes)
@@ -185,16 +195,16 @@ class NFTTrainer:
         metrics.update(sampler_metrics)
 
         # 6. Optimise, then the soft update of the sampling policy
-        tic = time.perf_counter()
+        tic = timed(acc.device)
         draws = seed_formulas.sample_generators(batch.seeds, "cpu", seed_formulas.TRAIN_STREAM)  # a sample's t and ε
         adv = advantages.to(acc.device), per_reward.to(acc.device)
         metrics.update(self._optimise(x0, sigmas, cond, adv, keep.to(acc.device), draws))
         decay = old_policy_decay(t.decay_type, self.opt.optimizer_steps, t.old_decay_max)
         model.soft_update_adapter(OLD, "default", decay)
-        optimise_s = time.perf_counter() - tic
+        optimise_s = tic.seconds()
 
         # 7. Log
-        wall = time.perf_counter() - started
+        wall = started.seconds()
         samples = self.local_n * acc.num_processes
         metrics.update(step_metrics(wall, rollout_s, local.seconds, optimise_s, samples, errors, keep.sum()))
         metrics["train/old_decay"] = decay
@@ -217,7 +227,7 @@ class NFTTrainer:
         }
         for _ in range(t.num_inner_epochs):
             order = torch.randperm(n, generator=gen)
-            times = training_times(draws, sigmas, t.timestep_fraction)  # [N, K] grid indices
+            times = training_times(draws, sigmas, t.timestep_fraction, trainable_steps(model, sigmas))  # [N, K] grid indices
             for m in range(t.num_minibatches):
                 if m % accum == 0:
                     window = len(stats["loss"])  # this optimizer step's losses start here

@@ -26,7 +26,6 @@ Only stage 6 (and sampling with θ_old) is RAM's own; everything else is a compo
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.checkpoint import resume_recipe, save_recipe
 from flowrl.config import RunConfig
-from flowrl.distributed import kept_per_process, make_accelerator
+from flowrl.distributed import Sharding, kept_per_process, make_accelerator
 from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import ram_loss, ram_target
 from flowrl.models import build_policy
@@ -43,7 +42,7 @@ from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.prompts import step_batches
 from flowrl.recipes import balancer_needs, rollout_carries
 from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.runs import RunFolder, step_metrics, train_loop
+from flowrl.runs import RunFolder, step_metrics, timed, train_loop
 from flowrl.samplers.candidates import candidate_metrics
 from flowrl.scoring import Scorer, balance, build_rewards, rollout_and_score
 from flowrl.types import select_cond
@@ -84,13 +83,18 @@ def old_policy_decay(step: int, ramp: float, cap: float) -> float:
     return min(ramp * step, cap)
 
 
-def training_draws(generators: list[torch.Generator], shape: tuple[int, ...], k: int, alpha: float):
-    """Per sample (one generator each) its K training times t ~ p(t) ∝ t^α on (0, 1] (inverse CDF u^{1/(α+1)})
-    and K noises. Returns times [N, K] float32 and noises [N, K, *shape]."""
+def training_draws(
+    generators: list[torch.Generator], shape: tuple[int, ...], k: int, alpha: float, sigma_range: tuple[float, float] = (0.0, 1.0)
+):
+    """Per sample (one generator each) its K training times t ~ p(t) ∝ t^α on (lo, hi] (inverse CDF
+    (lo^{α+1} + (hi^{α+1} − lo^{α+1})·u)^{1/(α+1)}, u on (0, 1]; [lo, hi] the model's trainable σ range, (0, 1] for
+    one-module models) and K noises. Returns times [N, K] float32 and noises [N, K, *shape]."""
+    lo, hi = sigma_range
+    low, high = lo ** (alpha + 1.0), hi ** (alpha + 1.0)
     times, noises = [], []
     for g in generators:
         u = 1.0 - torch.rand(k, generator=g)  # (0, 1]
-        times.append(u.pow(1.0 / (alpha + 1.0)))
+        times.append((low + (high - low) * u).pow(1.0 / (alpha + 1.0)).clamp(lo, hi))  # clamp: rounding at the edges
         noises.append(torch.randn((k, *shape), generator=g))
     return torch.stack(times), torch.stack(noises)
 
@@ -135,7 +139,7 @@ class RAMTrainer:
         self.prompt_sampler, self.local_n = step_batches(cfg, self.sampler, acc.num_processes)
         items = self.local_n * t.num_loss_targets_per_sample  # step_batches checked that num_minibatches divides N
         set_seed(cfg.seed)  # every process starts from the same adapter
-        self.model = build_policy(cfg.model, acc.device)
+        self.model = build_policy(cfg.model, acc.device, sharded=Sharding(acc).kind == "fsdp")  # FSDP2: loaded for sharding
         self.model.copy_adapter("default", OLD)
         self.opt = OptimizerStep(acc, self.model.transformer, t, items // t.num_minibatches, cfg.model.mixed_precision)
         self.old_params = self.model.adapter_parameters(OLD)
@@ -156,7 +160,7 @@ class RAMTrainer:
     # ------------------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
         t, acc, model = self.cfg.train, self.accelerator, self.model
-        started = time.perf_counter()
+        started = timed(acc.device)
 
         # 1. Prompts
         batch = self.prompt_sampler.local_batch(self.step, acc.process_index, acc.num_processes)
@@ -176,16 +180,17 @@ class RAMTrainer:
         metrics.update(sampler_metrics)
 
         # 6. Optimise, then step the old policy's EMA
-        tic = time.perf_counter()
+        tic = timed(acc.device)
         draws = seed_formulas.sample_generators(batch.seeds, "cpu", seed_formulas.TRAIN_STREAM)  # a sample's t and ε
-        times, noises = training_draws(draws, tuple(x0.shape[1:]), t.num_loss_targets_per_sample, t.time_alpha)
+        shape, sigma_range = tuple(x0.shape[1:]), model.trainable_sigma_range()  # times on the trained expert's side
+        times, noises = training_draws(draws, shape, t.num_loss_targets_per_sample, t.time_alpha, sigma_range)
         metrics.update(self._optimise(x0, cond, advantages.to(acc.device), keep.to(acc.device), times, noises))
         decay = old_policy_decay(self.step, t.old_decay_ramp, t.old_decay)
         model.soft_update_adapter(OLD, "default", decay)
-        optimise_s = time.perf_counter() - tic
+        optimise_s = tic.seconds()
 
         # 7. Log
-        wall = time.perf_counter() - started
+        wall = started.seconds()
         samples = self.local_n * acc.num_processes
         metrics.update(step_metrics(wall, rollout_s, local.seconds, optimise_s, samples, errors, keep.sum()))
         metrics["train/old_decay"] = decay

@@ -101,7 +101,8 @@ def test_gaps_are_stated_in_chromium(chromium, tmp_path):
     assert len(facts["gaps"]) == 4
     assert "missing p000_s001_strip.png" in facts["text"] and "missing p001_s000.gif" in facts["text"]
     # 2 prompts x 2 seeds x 3 evals, strip + GIF each, less the two missing files; plus curves and hacking plot
-    assert len(facts["images"]) == 2 * 2 * 3 * 2 - 2 + 2
+    # (the hacking panel's evidence images, if a rule came close, are counted apart)
+    assert len([i for i in facts["images"] if not i["alt"].startswith("evidence ")]) == 2 * 2 * 3 * 2 - 2 + 2
 
 
 def test_compare_in_chromium(chromium, tmp_path):

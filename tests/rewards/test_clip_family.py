@@ -125,7 +125,7 @@ def test_pickscore_matches_official_processor_path(tmp_path):
 
 
 def test_pickscore_missing_model_is_file_not_found(tmp_path):
-    with pytest.raises(FileNotFoundError, match="huggingface-cli download"):
+    with pytest.raises(FileNotFoundError, match="neither a local folder nor a hub id"):
         REWARDS.build("pickscore", model_name=str(tmp_path / "nowhere"), processor_name=str(tmp_path / "nowhere"))
 
 
@@ -133,7 +133,7 @@ def test_open_clip_tag_not_in_cache_is_file_not_found(tmp_path, monkeypatch):
     import huggingface_hub.constants as constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
-    with pytest.raises(FileNotFoundError, match="huggingface-cli download"):
+    with pytest.raises(FileNotFoundError, match="`hf download timm/vit_base_patch32_clip_224.openai open_clip_model"):
         REWARDS.build("clipscore", model_name="ViT-B-32", pretrained="openai")
 
 

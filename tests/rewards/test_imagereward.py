@@ -106,7 +106,9 @@ def test_imagereward_missing_files_and_bad_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
     monkeypatch.setenv("HOME", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="ImageReward.pt.*huggingface-cli download THUDM/ImageReward ImageReward.pt"):
+    with pytest.raises(
+        FileNotFoundError, match="ImageReward.pt of 'THUDM/ImageReward'.*`hf download THUDM/ImageReward ImageReward.pt`"
+    ):
         REWARDS.build("imagereward")
     files = make_imagereward_files(tmp_path / "ir")
     torch.save({"something.else": torch.zeros(1)}, tmp_path / "bad.pt")

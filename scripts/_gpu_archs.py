@@ -1,0 +1,287 @@
+"""The real architectures of scripts/gpu_check.py as data (the published configs), and the pipelines they build with
+random weights: on a GPU in the run's dtype, or on the meta device to count parameters without memory.
+
+No weights ship and nothing downloads: the tokenizers are the tiny character-level ones of
+flowrl.models.tiny_tokenizers (token ids stay below every real vocabulary), which give the real sequence lengths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+# transformer configs, as in each model's transformer/config.json
+SD35_MEDIUM = dict(
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    out_channels=16,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    caption_projection_dim=1536,
+    pooled_projection_dim=2048,
+    pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)),
+    qk_norm="rms_norm",
+)
+FLUX1_DEV = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+WAN21_1_3B = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=30,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
+# text encoders (transformers configs; token ids are set from the tiny tokenizers at build time)
+CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+              max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")  # fmt: skip
+CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+              max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")  # fmt: skip
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+              feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128)  # fmt: skip
+UMT5_XXL = dict(T5_XXL, vocab_size=256384)
+# VAEs
+SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+               down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2,
+               norm_num_groups=32, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+               use_post_quant_conv=False)  # fmt: skip
+FLUX_VAE = dict(SD3_VAE, scaling_factor=0.3611, shift_factor=0.1159)
+WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+# PickScore_v1 / HPSv2: CLIP ViT-H-14 (transformers CLIPModel)
+CLIP_VIT_H14 = dict(
+    text_config=dict(vocab_size=49408, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                     num_attention_heads=16, max_position_embeddings=77, hidden_act="gelu"),
+    vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+                       image_size=224, patch_size=14, hidden_act="gelu"),
+    projection_dim=1024,
+)  # fmt: skip
+# temporal consistency's default CLIP (open_clip ViT-B-32)
+OPEN_CLIP_VIT_B32 = {
+    "embed_dim": 512,
+    "vision_cfg": {"image_size": 224, "layers": 12, "width": 768, "patch_size": 32},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12},
+}
+# parameter counts of the transformers (docs COSTS.md, counted on meta): the check compares against these
+EXPECTED_PARAMS_B = {"sd3": 2.243, "flux": 11.901, "wan": 1.419}
+PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "wan": "WanPipeline"}
+
+
+@contextlib.contextmanager
+def building(device, dtype: torch.dtype):
+    """Modules constructed inside are created on `device` in `dtype` (no float32 copy first)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def seeded(device, seed: int = 0):
+    """The same random weights on every build (a resumed run's frozen weights equal the first run's), the caller's
+    RNG streams untouched."""
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _clip(cls, cfg: dict, tokenizer):
+    from transformers import CLIPTextConfig
+
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return cls(CLIPTextConfig(**cfg, **ids))
+
+
+def _t5(cls_name: str, cfg: dict):
+    import transformers
+
+    config = getattr(transformers, cls_name.replace("EncoderModel", "Config"))(
+        **cfg, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1
+    )
+    return getattr(transformers, cls_name)(config)
+
+
+def as_loaded(pipe, dtype: torch.dtype):
+    """Every component in `dtype`, buffers included, except what its class keeps in float32 (`_keep_in_fp32_modules`:
+    T5's `wo`, Wan's norms and time embedder): what from_pretrained(..., dtype) gives."""
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            torch.nn.Module.to(component, dtype)
+            keep = getattr(component, "_keep_in_fp32_modules", None) or []
+            for name, tensor in [*component.named_parameters(), *component.named_buffers()]:
+                if tensor.is_floating_point() and any(k in name.split(".") for k in keep):
+                    tensor.data = tensor.data.float()
+    return pipe
+
+
+def _scheduler(**kwargs):
+    """Built on the CPU in float32 whatever `building` says (its tables are not weights)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    with building("cpu", torch.float32):
+        return FlowMatchEulerDiscreteScheduler(**kwargs)
+
+
+def transformer(family: str):
+    """The real-size transformer of `family` (construct inside `building`)."""
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
+
+    cls, cfg = {"sd3": (SD3Transformer2DModel, SD35_MEDIUM), "flux": (FluxTransformer2DModel, FLUX1_DEV), "wan": (WanTransformer3DModel, WAN21_1_3B)}[family]  # fmt: skip
+    return cls(**cfg)
+
+
+def pipeline(family: str, tmp: Path):
+    """The real-size diffusers pipeline of `family` with random weights (construct inside `building`)."""
+    import diffusers
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    from flowrl.models.tiny_tokenizers import clip_tokenizer, t5_tokenizer
+
+    parts = {"transformer": transformer(family)}
+    if family == "sd3":
+        tok1, tok2 = clip_tokenizer(tmp / "tok1"), clip_tokenizer(tmp / "tok2")
+        parts.update(
+            scheduler=_scheduler(shift=3.0),
+            vae=diffusers.AutoencoderKL(**SD3_VAE),
+            tokenizer=tok1,
+            tokenizer_2=tok2,
+            tokenizer_3=t5_tokenizer(512),
+            text_encoder=_clip(CLIPTextModelWithProjection, CLIP_L, tok1),
+            text_encoder_2=_clip(CLIPTextModelWithProjection, CLIP_G, tok2),
+            text_encoder_3=_t5("T5EncoderModel", T5_XXL),
+        )
+        return diffusers.StableDiffusion3Pipeline(**parts)
+    if family == "flux":
+        tok1 = clip_tokenizer(tmp / "tok1")
+        parts.update(
+            scheduler=_scheduler(
+                shift=3.0,
+                use_dynamic_shifting=True,
+                base_shift=0.5,
+                max_shift=1.15,
+                base_image_seq_len=256,
+                max_image_seq_len=4096,
+            ),
+            vae=diffusers.AutoencoderKL(**FLUX_VAE),
+            tokenizer=tok1,
+            tokenizer_2=t5_tokenizer(512),
+            text_encoder=_clip(CLIPTextModel, {k: v for k, v in CLIP_L.items() if k != "projection_dim"}, tok1),
+            text_encoder_2=_t5("T5EncoderModel", T5_XXL),
+        )
+        return diffusers.FluxPipeline(**parts)
+    parts.update(
+        scheduler=_scheduler(shift=3.0),
+        vae=diffusers.AutoencoderKLWan(**WAN_VAE),
+        tokenizer=t5_tokenizer(512),
+        text_encoder=_t5("UMT5EncoderModel", UMT5_XXL),
+    )
+    return diffusers.WanPipeline(**parts)
+
+
+def count_params(family: str, tmp: Path) -> dict:
+    """Parameters per component of the real pipeline, built on the meta device (no memory, seconds)."""
+    with building("meta", torch.float32):
+        pipe = pipeline(family, tmp)
+    counts = {
+        name: sum(p.numel() for p in module.parameters()) / 1e9
+        for name, module in pipe.components.items()
+        if isinstance(module, torch.nn.Module)
+    }
+    expected = EXPECTED_PARAMS_B[family]
+    return {
+        "params_B": {k: round(v, 4) for k, v in counts.items()},
+        "transformer_params_B_expected": expected,
+        "transformer_matches_costs_md": abs(counts["transformer"] - expected) < 0.0015,
+    }
+
+
+def real_pipeline_folder(family: str, folder: Path) -> Path:
+    """A folder the loader accepts (model_index.json naming the class); install_factories makes its from_pretrained
+    build the random real-size pipeline instead of reading weights."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": PIPELINE_CLASSES[family]}))
+    FACTORIES[str(folder)] = ("pipeline", family)
+    return folder
+
+
+def real_clip_folder(folder: Path) -> Path:
+    """A PickScore folder: the tiny processor at 224 px and the ViT-H-14 config; CLIPModel.from_pretrained of it
+    builds random weights (install_factories)."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPProcessor
+
+    from rewards._tiny import OPENAI_MEAN, OPENAI_STD, tiny_clip_tokenizer
+
+    tokenizer = tiny_clip_tokenizer()
+    images = CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}, image_mean=OPENAI_MEAN, image_std=OPENAI_STD)  # fmt: skip
+    CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder)
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    CLIPConfig(**dict(CLIP_VIT_H14, text_config={**CLIP_VIT_H14["text_config"], **ids})).save_pretrained(folder)
+    FACTORIES[str(folder)] = ("clip", None)
+    return folder
+
+
+FACTORIES: dict[str, tuple[str, str | None]] = {}
+
+
+def install_factories(device, tmp: Path):
+    """Make DiffusionPipeline / CLIPModel .from_pretrained of the folders registered above build random real-size
+    models on `device` (the loader's own code runs on everything else: validation, adapter, placement, LoRA). Returns
+    the function that undoes it."""
+    from diffusers import DiffusionPipeline
+    from transformers import CLIPConfig, CLIPModel
+
+    pipe_from, clip_from = DiffusionPipeline.from_pretrained.__func__, CLIPModel.from_pretrained.__func__
+
+    def pipeline_from_pretrained(cls, source, *args, **kwargs):
+        kind, family = FACTORIES.get(str(source), (None, None))
+        if kind != "pipeline":
+            return pipe_from(cls, source, *args, **kwargs)
+        dtype = kwargs.get("dtype") or kwargs.get("torch_dtype") or torch.float32
+        with seeded(device), building(device, dtype):
+            return as_loaded(pipeline(family, tmp / family), dtype)
+
+    def clip_from_pretrained(cls, source, *args, **kwargs):
+        if FACTORIES.get(str(source), (None,))[0] != "clip":
+            return clip_from(cls, source, *args, **kwargs)
+        with seeded(device), building(device, kwargs.get("dtype") or torch.float32):
+            return CLIPModel(CLIPConfig.from_pretrained(source))
+
+    originals = DiffusionPipeline.__dict__["from_pretrained"], CLIPModel.__dict__.get("from_pretrained")
+    DiffusionPipeline.from_pretrained = classmethod(pipeline_from_pretrained)
+    CLIPModel.from_pretrained = classmethod(clip_from_pretrained)
+
+    def restore() -> None:
+        DiffusionPipeline.from_pretrained = originals[0]
+        if originals[1] is None:
+            del CLIPModel.from_pretrained
+        else:
+            CLIPModel.from_pretrained = originals[1]
+
+    return restore

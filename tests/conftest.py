@@ -32,7 +32,7 @@ def require_program_fixture():
 
 @pytest.fixture(scope="session")
 def tiny_pipeline(tmp_path_factory):
-    """family -> folder of a tiny random diffusers pipeline saved with save_pretrained (built once per session)."""
+    """family -> folder of a tiny random diffusers pipeline saved with save_pretrained (built once per test run)."""
     from flowrl.models.tiny import build_tiny_pipeline
 
     root = tmp_path_factory.mktemp("tiny-pipelines")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from test_cli_errors import one_line_error  # exit code 2 and one `flowrl <cmd>: error:` line
 
-from flowrl.cli import main
 from flowrl.hub import HubUnavailableError, hub_errors
 from flowrl.registry import REWARDS
 
@@ -96,15 +96,6 @@ def sample_args(model: str, tmp_path: Path) -> list[str]:
         "--out",
         str(tmp_path / "out"),
     ]
-
-
-def one_line_error(argv: list[str], capsys) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    assert lines[0].startswith(f"flowrl {argv[0]}: error: "), lines[0]
-    return lines[0]
 
 
 # ---- offline: not in the cache ----------------------------------------------------------------------------------

@@ -3,26 +3,15 @@ weights when they change, bit for bit the preview a fresh copy would be, and nev
 
 import pytest
 import torch
+from test_candidates_sampler import lora_toy  # the toy model with a trained-looking adapter
 
 from flowrl import quant
-from flowrl.models import load_flow_model
 from flowrl.quant import PreviewSpec, build_preview
 from flowrl.registry import SAMPLERS
 from flowrl.samplers.candidates import previewing
 from flowrl.types import PromptBatch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
-
-
-def lora_toy():
-    torch.manual_seed(0)
-    model = load_flow_model("toy")
-    model.add_lora(rank=4, alpha=4)
-    with torch.no_grad():  # a trained-looking adapter (peft starts B at 0)
-        for name, p in model.transformer.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    return model
 
 
 def velocity(model, preview):

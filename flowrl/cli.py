@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flowrl.cli_bench import _add_bench, _run_bench  # the bench subcommands
+from flowrl.bench.cli import _add_bench, _run_bench  # the bench subcommands
 
 
 def _add_sample(sub: argparse._SubParsersAction) -> None:
@@ -385,15 +385,15 @@ def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, s
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    """The trainer's evaluation (flowrl.evaluation.Evaluator) on demand, for one checkpoint or the base model: the run's
+    """The trainer's evaluation (flowrl.training.evaluation.Evaluator) on demand, for one checkpoint or the base model: the run's
     model settings on the accelerator's device; under `accelerate launch` (scripts/evaluate.py) split over the
     processes, the main one writing and printing."""
     import contextlib
 
-    from flowrl.checkpoint import load_model_for_eval
-    from flowrl.distributed import make_accelerator
-    from flowrl.evaluation import Evaluator
     from flowrl.trainers import load_config
+    from flowrl.training.checkpoint import load_model_for_eval
+    from flowrl.training.distributed import make_accelerator
+    from flowrl.training.evaluation import Evaluator
 
     cfg = load_config(args.config, args.overrides or [])
     out, step, label = _eval_out_dir(cfg, args.checkpoint, args.out)
@@ -477,7 +477,7 @@ def _add_recipes(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_recipes(args: argparse.Namespace) -> int:
-    from flowrl.recipes import print_matrix
+    from flowrl.trainers.compose import print_matrix
 
     return print_matrix(args.json)
 

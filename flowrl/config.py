@@ -182,7 +182,7 @@ class RunConfig:
 
     @property
     def run_dir(self) -> Path:
-        from flowrl.runs import RunFolder
+        from flowrl.training.runs import RunFolder
 
         return RunFolder(self.output_dir, self.name).root
 

@@ -35,16 +35,16 @@ HACKING_MARGIN = 0.02  # the report's margin (absolute, in the rewards' units)
 @torch.no_grad()
 def heldout_scores(model, num_seeds: int, num_steps: int, guidance_scale: float, judge_checkpoint: str | None = None) -> dict:
     """Exact and judge accuracy, impossible-count and mixed-colour rates, the mean artifact reward and the diversity
-    (per prompt the mean pairwise RMS pixel distance of its seeds' images, `flowrl.evaluation`'s pixel space, averaged
+    (per prompt the mean pairwise RMS pixel distance of its seeds' images, `flowrl.training.evaluation`'s pixel space, averaged
     over prompts; None for one seed) over every held-out prompt x `num_seeds` fixed seeds (the judge:
     `judge_checkpoint`, default the shipped one). A model conditioned on a source image (the toy image-to-video
     model) samples each prompt from its toy source image (flowrl/toy/sources.py)."""
-    from flowrl.evaluation import mean_pairwise_distance, pixel_features
+    from flowrl.bench.accuracy import exact_accuracy, judge_accuracy, sample_images
     from flowrl.models.conditioning import conditioning_kind
     from flowrl.registry import REWARDS
-    from flowrl.toy.accuracy import exact_accuracy, judge_accuracy, sample_images
     from flowrl.toy.judges import load_judge
     from flowrl.toy.world import split_prompts
+    from flowrl.training.evaluation import mean_pairwise_distance, pixel_features
 
     base = split_prompts("heldout")
     prompts = [p for p in base for _ in range(num_seeds)]

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from flowrl.toy.exact import faint_items
 from flowrl.toy.judges import ARTIFACT_FILE, ATTRIBUTE_FILE, ArtifactJudge, AttributeJudge, load_judge, scene_labels
 from flowrl.toy.manifest import WEIGHTS_DIR, file_digest, write_manifest_entry
 from flowrl.toy.world import (
@@ -45,7 +46,6 @@ from flowrl.toy.world import (
     IMPOSSIBLE_KINDS,
     SHAPES,
     corrupt,
-    faint_items,
     impossible_batch,
     random_batch,
     soften,

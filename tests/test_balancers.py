@@ -11,7 +11,7 @@ import torch
 from flowrl.advantages import group_advantages, tail_advantages
 from flowrl.balancers import Balance, GD2POBalancer, GDPOBalancer, SAMRPOBalancer, TailBalancer, WeightedSumBalancer
 from flowrl.registry import BALANCERS
-from flowrl.scoring import Scores, balance
+from flowrl.training.scoring import Scores, balance
 
 NAN = float("nan")
 

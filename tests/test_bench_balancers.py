@@ -1,4 +1,4 @@
-"""`flowrl bench balancers` (flowrl/bench_balancers.py): the JSON's shape and its consistency with the runs, the CLI and
+"""`flowrl bench balancers` (flowrl/bench/balancers.py): the JSON's shape and its consistency with the runs, the CLI and
 its one-line errors, on the shipped toy model at tiny sizes (2 train steps, 1 held-out seed, 2 ODE steps)."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from flowrl import cli
-from flowrl.bench_balancers import REWARDS, balancer_order, balancers_result, bench_balancers, merge_balancers
+from flowrl.bench.balancers import REWARDS, balancer_order, balancers_result, bench_balancers, merge_balancers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -105,7 +105,7 @@ def test_jpeg_by_count_reads_the_world_renders_and_prefers_fewer_shapes():
     import numpy as np
     from PIL import Image
 
-    from flowrl.bench_balancers import jpeg_by_count
+    from flowrl.bench.balancers import jpeg_by_count
     from flowrl.toy.world import ALL_SPECS, render
 
     table = jpeg_by_count.__wrapped__(2)

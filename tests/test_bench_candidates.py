@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flowrl.bench_candidates import fidelity
+from flowrl.bench.candidates import fidelity
 
 
 def test_a_perfect_preview_keeps_everything():

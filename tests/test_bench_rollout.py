@@ -1,4 +1,4 @@
-"""`flowrl bench rollout` (flowrl/bench_rollout.py) at tiny settings: its JSON shape, ratios computed from the recorded
+"""`flowrl bench rollout` (flowrl/bench/rollout.py) at tiny settings: its JSON shape, ratios computed from the recorded
 times, every tiny family covered by a call spec, and its one-line errors. Speed is measured, never asserted."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flowrl import cli
-from flowrl.bench_rollout import SPECS, bench_rollout
+from flowrl.bench.rollout import SPECS, bench_rollout
 from flowrl.models.tiny import BUILDERS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py

@@ -1,12 +1,14 @@
-"""`flowrl bench trainers` (flowrl/race.py): the race's JSON shape and consistency, its plot, its medians rule, its CLI
+"""`flowrl bench trainers` (flowrl/bench/trainers.py): the race's JSON shape and consistency, its plot, its medians rule, its CLI
 and its one-line errors, on the shipped toy model at tiny sizes (2 train steps, 1 held-out seed, 2 ODE steps)."""
 
 import json
 
 import pytest
 
-from flowrl import bench, cli, race
-from flowrl.race import first_reaching, median_if_most, race_result
+from flowrl import cli
+from flowrl.bench import speed
+from flowrl.bench import trainers as race
+from flowrl.bench.trainers import first_reaching, median_if_most, race_result
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -33,7 +35,7 @@ ENTRY_KEYS = {
 
 def test_race_of_grpo_alone_writes_consistent_json_and_a_png(tmp_path):
     out = tmp_path / "deep" / "race.json"
-    result = bench.bench_trainers(
+    result = race.bench_trainers(
         recipes=["grpo"], seeds=[0], eval_every_n_steps=1, overrides=TINY, out_json=out, num_seeds=1, eval_num_steps=2
     )
     assert json.loads(out.read_text()) == result
@@ -74,7 +76,7 @@ def test_cli_runs_the_race_with_overrides_and_keeps_the_other_benches(tmp_path, 
     assert "grpo" in capsys.readouterr().out
 
     calls = []
-    monkeypatch.setattr(bench, "bench_report", lambda repeats: calls.append(repeats) or {"ok": True})
+    monkeypatch.setattr(speed, "bench_report", lambda repeats: calls.append(repeats) or {"ok": True})
     assert cli.main(["bench", "report", "--json", str(tmp_path / "report.json"), "--repeats", "2"]) == 0
     assert calls == [2] and json.loads((tmp_path / "report.json").read_text()) == {"ok": True}
 
@@ -108,7 +110,7 @@ def test_bad_input_is_one_line_naming_the_flag(tmp_path, capsys, extra, expected
 
 def test_unknown_recipe_fails_before_any_run(tmp_path):
     with pytest.raises(ValueError, match="'nope' has no configs/toy/nope.yaml; the recipes are grpo"):
-        bench.bench_trainers(recipes=["grpo", "nope"], out_json=tmp_path / "x.json")
+        race.bench_trainers(recipes=["grpo", "nope"], out_json=tmp_path / "x.json")
     assert not (tmp_path / "x.json").exists()
 
 
@@ -233,7 +235,7 @@ def test_merged_per_seed_races_equal_the_race_of_all_seeds(tmp_path):
 
 
 def test_cpu_clock_is_recorded_and_a_bad_clock_is_one_line(tmp_path):
-    result = bench.bench_trainers(
+    result = race.bench_trainers(
         recipes=["grpo"],
         seeds=[0],
         eval_every_n_steps=1,
@@ -245,4 +247,4 @@ def test_cpu_clock_is_recorded_and_a_bad_clock_is_one_line(tmp_path):
     )
     assert result["settings"]["clock"] == "cpu" and result["recipes"]["grpo"]["train_seconds"][0] > 0
     with pytest.raises(ValueError, match="--clock 'gpu' must be one of wall, cpu"):
-        bench.bench_trainers(recipes=["grpo"], seeds=[0], clock="gpu")
+        race.bench_trainers(recipes=["grpo"], seeds=[0], clock="gpu")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.cuda.random
 
-from flowrl.checkpoint import rng_state, set_rng_state
+from flowrl.training.checkpoint import rng_state, set_rng_state
 
 
 class FakeCUDA:

@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from flowrl.checkpoint import load_checkpoint
 from flowrl.cli import main
 from flowrl.models.lora import WEIGHT_NAME
+from flowrl.training.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 TOY_CONFIG = str(REPO / "configs" / "toy" / "grpo.yaml")

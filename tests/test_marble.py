@@ -1,4 +1,4 @@
-"""MARBLE's math (flowrl/marble.py): the min-norm solver against brute force on the simplex and the KKT certificate,
+"""MARBLE's math (flowrl/balancers/marble.py): the min-norm solver against brute force on the simplex and the KKT certificate,
 degenerate gradients, the rescaling to the mean norm, the EMA, and Proposition 1 (the amortization identity) by
 autograd on a tiny network with the NFT loss, including where a clamp breaks it."""
 
@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
+from flowrl.balancers.marble import clamp_active, combine, cosines, ema_alpha, harmonize, min_norm_weights
 from flowrl.losses import nft_loss
-from flowrl.marble import clamp_active, combine, cosines, ema_alpha, harmonize, min_norm_weights
 
 
 def simplex_grid(k: int, n: int) -> torch.Tensor:

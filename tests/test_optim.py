@@ -1,11 +1,11 @@
-"""flowrl.optim: the EMA recurrence written out by hand, the fp16 loss scaler, and the optimizer step's non-finite
+"""flowrl.training.optim: the EMA recurrence written out by hand, the fp16 loss scaler, and the optimizer step's non-finite
 policy on a real single-process `accelerate.Accelerator(cpu=True)` (no mocks)."""
 
 import pytest
 import torch
 from accelerate import Accelerator
 
-from flowrl.optim import EMA, LossScaler, OptimizerConfig, OptimizerStep
+from flowrl.training.optim import EMA, LossScaler, OptimizerConfig, OptimizerStep
 
 # ---- EMA -------------------------------------------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
-"""`perf/...` timings synchronise the device on CUDA (flowrl.runs.timed), never on the CPU."""
+"""`perf/...` timings synchronise the device on CUDA (flowrl.training.runs.timed), never on the CPU."""
 
 import pytest
 import torch
 
-from flowrl.runs import timed
+from flowrl.training.loop import timed
 
 
 @pytest.mark.parametrize(("device", "expected"), [("cuda", 2), ("cuda:1", 2), ("cpu", 0), (torch.device("meta"), 0)])
@@ -23,8 +23,8 @@ def test_recipes_time_their_stages_with_timed():
     import flowrl
 
     root = Path(flowrl.__file__).parent
-    for path in [*root.glob("trainers/*.py"), root / "marble.py"]:
+    for path in [*root.glob("trainers/*.py"), root / "training" / "reward_gradients.py"]:
         assert "perf_counter" not in path.read_text(), path
     # the rollout chunks too; a reward's own time is not synchronised (it runs in a worker thread beside the next
     # chunk's sampling, and its scores come back to the CPU, which waits for them)
-    assert "tic = timed(model.device)" in (root / "scoring.py").read_text()
+    assert "tic = timed(model.device)" in (root / "training" / "scoring.py").read_text()

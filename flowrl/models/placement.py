@@ -4,7 +4,7 @@ Every process loads the whole pipeline. Moved to the GPU before `fully_shard`, i
 the text encoders on every GPU at once (FLUX.2 [dev]: a 32B transformer and a 24B Mistral, about 104 GiB in bf16),
 so a loader asked for a sharded policy (`load_flow_model(..., sharded=True)`) places instead:
 
-- the trained transformer on the CPU: `fully_shard` (flowrl.distributed.Sharding.prepare) moves it to the GPU one
+- the trained transformer on the CPU: `fully_shard` (flowrl.training.distributed.Sharding.prepare) moves it to the GPU one
   shard unit (transformer block) at a time and keeps only this process's shard of each;
 - the text encoders (components named `text_encoder*`) on the CPU: `encode` copies them to the GPU for a call that
   has prompts to encode and drops the copy after (`on_device`); the prompt cache keeps every encoded prompt, so a

@@ -4,7 +4,7 @@
                   [--hacking-pair toy_exact=toy_attributes ...]
 
 Reads the run folder layout the trainer writes (config.yaml, metrics.jsonl, checkpoints/step_XXXXXX/,
-eval/base/ and eval/step_XXXXXX/ with scores.json from `flowrl.evaluation`) and writes to --out (default
+eval/base/ and eval/step_XXXXXX/ with scores.json from `flowrl.training.evaluation`) and writes to --out (default
 RUN_DIR/report/):
 
 - grid_<step>.png (grid_<run>_<step>.png for compared runs): rows = prompts, columns = seeds, each cell

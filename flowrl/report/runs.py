@@ -6,7 +6,7 @@ Two kinds of trouble, told apart by what can cause them:
   scores.json, a missing image, a last metrics.jsonl line cut mid-write) are recorded in `RunRecord.gaps`
   and shown in the report's "Gaps" list;
 - input that no run of the trainer writes (a run folder without eval/, a scores.json that is not JSON or
-  breaks the `flowrl.evaluation` format, a broken metrics.jsonl line before the last) raises ValueError or
+  breaks the `flowrl.training.evaluation` format, a broken metrics.jsonl line before the last) raises ValueError or
   FileNotFoundError with one line naming the file, what is wrong and the fix (`flowrl report` prints it).
 """
 
@@ -32,7 +32,7 @@ class EvalRecord:
     name: str  # "base" or "step_000120"
     step: int  # 0 for base
     path: Path
-    scores: dict[str, Any]  # scores.json (flowrl.evaluation schema)
+    scores: dict[str, Any]  # scores.json (flowrl.training.evaluation schema)
     by_key: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict, repr=False)  # (prompt, seed) -> sample
 
     def __post_init__(self) -> None:

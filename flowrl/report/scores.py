@@ -1,4 +1,4 @@
-"""Reading one eval/<name>/scores.json and checking it against the format `flowrl.evaluation` writes.
+"""Reading one eval/<name>/scores.json and checking it against the format `flowrl.training.evaluation` writes.
 
 Every key the report reads is checked here, so that a malformed file stops the report with one line naming
 the file, the key and the value it holds, instead of a traceback from deep inside the page builder.
@@ -17,7 +17,7 @@ def read_scores(path: Path, checkpoint: str) -> dict[str, Any]:
     `checkpoint` is what `flowrl eval --checkpoint` takes to rewrite this file ("base" or a checkpoint folder).
     """
     fix = (
-        f"it must be a scores.json written by flowrl.evaluation (format flowrl.eval/1): rewrite it with "
+        f"it must be a scores.json written by flowrl.training.evaluation (format flowrl.eval/1): rewrite it with "
         f"`flowrl eval --config CONFIG --checkpoint {checkpoint}` or remove the folder {path.parent}"
     )
     try:
@@ -33,7 +33,7 @@ def read_scores(path: Path, checkpoint: str) -> dict[str, Any]:
 
 
 def scores_problem(scores: Any) -> str | None:
-    """Why a scores.json cannot be shown (None when it follows the flowrl.evaluation schema well enough)."""
+    """Why a scores.json cannot be shown (None when it follows the flowrl.training.evaluation schema well enough)."""
     if not isinstance(scores, dict):
         return f"holds a JSON {_kind(scores)}, not an object"
     for key, kind in (("prompts", list), ("seeds", list), ("samples", list), ("rewards", dict)):

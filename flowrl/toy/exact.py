@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.toy.world import BACKGROUND_RGB, COLOUR_RGB, COLOURS, IMAGE_SIZE, SHAPES
+from flowrl.toy.world import BACKGROUND_RGB, COLOUR_RGB, COLOURS, FAINT_SCALE, FAINT_STRENGTH, IMAGE_SIZE, SHAPES, render_items
 
 MIN_AREA = 6  # pixels; the smallest shape the world draws covers about 20
 COVERAGE_THRESHOLD = 0.5
@@ -124,3 +124,26 @@ def find_blobs(images: torch.Tensor) -> list[list[Blob]]:
 def shapes_of(blobs: list[Blob]) -> tuple[str, ...]:
     """The distinct shapes of a scene's blobs, in the world's order."""
     return tuple(s for s in SHAPES if any(b.shape == s for b in blobs))
+
+
+def faint_items(
+    items: list[tuple[str, str]], seed: int, generator: torch.Generator, same_shapes: bool = True
+) -> torch.Tensor | None:
+    """The scene of `items` with one item (drawn at random) faint: its colour faded to U(FAINT_STRENGTH) and its
+    radius shrunk to U(FAINT_SCALE). None when the exact checker would not read the faint scene as the same number
+    of shapes in the items' colours (and, with `same_shapes`, their shapes: the checker reads a faint circle's fill
+    as a square's), so a judge trained on it learns to count what the gold counts. Used by
+    scripts/train_toy_judges.py against the hack it closes: four shapes for "three", one of them dim or small, which
+    the judge trained on full-strength scenes called three."""
+    if not items:
+        return None
+    index = int(torch.randint(len(items), (), generator=generator))
+    strength = FAINT_STRENGTH[0] + (FAINT_STRENGTH[1] - FAINT_STRENGTH[0]) * float(torch.rand((), generator=generator))
+    scale = FAINT_SCALE[0] + (FAINT_SCALE[1] - FAINT_SCALE[0]) * float(torch.rand((), generator=generator))
+    image = render_items(items, seed, faint=(index, strength, scale))
+    blobs = find_blobs(image[None])[0]
+    if same_shapes:
+        same = sorted((b.colour, b.shape) for b in blobs) == sorted(items)
+    else:
+        same = sorted(b.colour for b in blobs) == sorted(c for c, _ in items)
+    return image if same else None

@@ -275,31 +275,6 @@ FAINT_STRENGTH = (0.6, 0.9)  # a faint shape's share of its colour: above toy_ex
 FAINT_SCALE = (0.6, 1.0)  # its radius as a share of the scene's
 
 
-def faint_items(
-    items: list[tuple[str, str]], seed: int, generator: torch.Generator, same_shapes: bool = True
-) -> torch.Tensor | None:
-    """The scene of `items` with one item (drawn at random) faint: its colour faded to U(FAINT_STRENGTH) and its
-    radius shrunk to U(FAINT_SCALE). None when the exact checker would not read the faint scene as the same number
-    of shapes in the items' colours (and, with `same_shapes`, their shapes: the checker reads a faint circle's fill
-    as a square's), so a judge trained on it learns to count what the gold counts. Used by
-    scripts/train_toy_judges.py against the hack it closes: four shapes for "three", one of them dim or small, which
-    the judge trained on full-strength scenes called three."""
-    from flowrl.toy.exact import find_blobs
-
-    if not items:
-        return None
-    index = int(torch.randint(len(items), (), generator=generator))
-    strength = FAINT_STRENGTH[0] + (FAINT_STRENGTH[1] - FAINT_STRENGTH[0]) * float(torch.rand((), generator=generator))
-    scale = FAINT_SCALE[0] + (FAINT_SCALE[1] - FAINT_SCALE[0]) * float(torch.rand((), generator=generator))
-    image = render_items(items, seed, faint=(index, strength, scale))
-    blobs = find_blobs(image[None])[0]
-    if same_shapes:
-        same = sorted((b.colour, b.shape) for b in blobs) == sorted(items)
-    else:
-        same = sorted(b.colour for b in blobs) == sorted(c for c, _ in items)
-    return image if same else None
-
-
 def impossible_batch(num: int, generator: torch.Generator, kinds: tuple[str, ...] = IMPOSSIBLE_KINDS):
     """Renders [N, 3, 32, 32] of scenes outside the world, the kind drawn uniformly from `kinds` per scene, and their
     items [N] (lists of (colour, shape)), seeded by the generator."""

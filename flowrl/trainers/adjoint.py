@@ -27,21 +27,22 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.checkpoint import resume_recipe, save_recipe
 from flowrl.config import RunConfig
-from flowrl.distributed import Sharding, make_accelerator
-from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import adjoint_matching_loss
 from flowrl.models import build_policy
-from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
-from flowrl.prompts import step_batches
-from flowrl.recipes import rollout_carries
 from flowrl.registry import REWARDS, SAMPLERS
-from flowrl.runs import RunFolder, step_metrics, timed, train_loop
-from flowrl.scoring import build_rewards
 from flowrl.sde_memoryless import adjoint_residual, lean_adjoint
 from flowrl.seeds import step_generator
 from flowrl.sigma_range import check_trainable, trainable_steps
+from flowrl.trainers.kit import rollout_carries
+from flowrl.training.checkpoint import resume_recipe, save_recipe
+from flowrl.training.distributed import Sharding, make_accelerator
+from flowrl.training.evaluation import TrainingEvaluation
+from flowrl.training.loop import step_metrics, timed, train_loop
+from flowrl.training.optim import EMA, OptimizerConfig, OptimizerStep
+from flowrl.training.prompts import step_batches
+from flowrl.training.runs import RunFolder
+from flowrl.training.scoring import build_rewards
 from flowrl.types import Rollout, select_cond
 
 MEMORYLESS_SAMPLER = "sampler: {name: sde, kind: flow_grpo, noise_level: 1.4142135623730951, sigma_schedule: dance, sigma_shift: 1.0, sigma_max: 0.975}"

@@ -31,22 +31,23 @@ from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.advantages import FUSIONS, WIDTH_PRUNINGS, tree_edge_advantages
 from flowrl.balancers import weighted_total
-from flowrl.checkpoint import read_group, resume_recipe, save_recipe
 from flowrl.config import RunConfig
-from flowrl.distributed import Sharding, kept_per_process, make_accelerator
-from flowrl.evaluation import TrainingEvaluation
+from flowrl.experimental.tagrpo import Alignment, MemoryBank, TAGRPOConfig, alignment_loss, start_key
 from flowrl.losses import ais_mixture, clipped_policy_loss
-from flowrl.marble import RewardGradients
 from flowrl.models import build_policy
-from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
-from flowrl.prompts import step_batches
-from flowrl.recipes import balancer_needs, rollout_carries
 from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.runs import RunFolder, step_metrics, timed, train_loop
 from flowrl.samplers.candidates import candidate_metrics
-from flowrl.scoring import Scorer, balance_per_reward, build_rewards, rollout_and_score
 from flowrl.sigma_range import check_trainable, on_trainable_steps
-from flowrl.tagrpo import Alignment, MemoryBank, TAGRPOConfig, alignment_loss, start_key
+from flowrl.trainers.kit import balancer_needs, rollout_carries
+from flowrl.training.checkpoint import read_group, resume_recipe, save_recipe
+from flowrl.training.distributed import Sharding, kept_per_process, make_accelerator
+from flowrl.training.evaluation import TrainingEvaluation
+from flowrl.training.loop import step_metrics, timed, train_loop
+from flowrl.training.optim import EMA, OptimizerConfig, OptimizerStep
+from flowrl.training.prompts import step_batches
+from flowrl.training.reward_gradients import RewardGradients
+from flowrl.training.runs import RunFolder
+from flowrl.training.scoring import Scorer, balance_per_reward, build_rewards, rollout_and_score
 from flowrl.types import Rollout, select_cond
 
 
@@ -126,7 +127,7 @@ class GRPOConfig(OptimizerConfig):
     tree: TreeCreditConfig = field(default_factory=TreeCreditConfig)
     """Reward fusion, depth-wise advantages and pruning of tree rollouts (keys train.tree.*)."""
     tagrpo: TAGRPOConfig = field(default_factory=TAGRPOConfig)
-    """TAGRPO's trajectory alignment and memory bank for image-to-video (keys train.tagrpo.*, flowrl/tagrpo.py)."""
+    """TAGRPO's trajectory alignment and memory bank for image-to-video (keys train.tagrpo.*, flowrl/experimental/tagrpo.py)."""
     ais: AISConfig = field(default_factory=AISConfig)
     """Adaptive importance sampling of preview rollouts (keys train.ais.*; off by default)."""
 

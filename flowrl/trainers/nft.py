@@ -30,21 +30,22 @@ import torch
 
 from flowrl import sde
 from flowrl import seeds as seed_formulas
-from flowrl.checkpoint import resume_recipe, save_recipe
 from flowrl.config import RunConfig
-from flowrl.distributed import Sharding, kept_per_process, make_accelerator
-from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import ADV_MODES, nft_loss, velocity_kl
-from flowrl.marble import RewardGradients
 from flowrl.models import build_policy
-from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
-from flowrl.prompts import step_batches
-from flowrl.recipes import balancer_needs, rollout_carries
 from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.runs import RunFolder, step_metrics, timed, train_loop
 from flowrl.samplers.candidates import candidate_metrics
-from flowrl.scoring import Scorer, balance_per_reward, build_rewards, rollout_and_score
 from flowrl.sigma_range import check_trainable, trainable_steps
+from flowrl.trainers.kit import balancer_needs, rollout_carries
+from flowrl.training.checkpoint import resume_recipe, save_recipe
+from flowrl.training.distributed import Sharding, kept_per_process, make_accelerator
+from flowrl.training.evaluation import TrainingEvaluation
+from flowrl.training.loop import step_metrics, timed, train_loop
+from flowrl.training.optim import EMA, OptimizerConfig, OptimizerStep
+from flowrl.training.prompts import step_batches
+from flowrl.training.reward_gradients import RewardGradients
+from flowrl.training.runs import RunFolder
+from flowrl.training.scoring import Scorer, balance_per_reward, build_rewards, rollout_and_score
 from flowrl.types import select_cond
 
 OLD = "old"  # the sampling policy's adapter name; the trained one is "default"
@@ -216,7 +217,7 @@ class NFTTrainer:
         over its times and `gradient_accumulation_steps` minibatches per optimizer step. A sample's training times
         and noises come from its own generator (`draws`), so they do not depend on the batch or process count.
         `adv` = (advantages [N], per-reward advantages [K, N]); with per-reward gradients (MARBLE, the probe) each
-        reward's policy loss is backpropagated on its own and the KL outside them (flowrl.marble.RewardGradients)."""
+        reward's policy loss is backpropagated on its own and the KL outside them (flowrl.training.reward_gradients.RewardGradients)."""
         t, acc, model, grads = self.cfg.train, self.accelerator, self.model, self.reward_grads
         advantages, per_reward = adv
         n = self.local_n

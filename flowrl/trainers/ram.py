@@ -32,19 +32,20 @@ import torch
 
 from flowrl import sde
 from flowrl import seeds as seed_formulas
-from flowrl.checkpoint import resume_recipe, save_recipe
 from flowrl.config import RunConfig
-from flowrl.distributed import Sharding, kept_per_process, make_accelerator
-from flowrl.evaluation import TrainingEvaluation
 from flowrl.losses import ram_loss, ram_target
 from flowrl.models import build_policy
-from flowrl.optim import EMA, OptimizerConfig, OptimizerStep
-from flowrl.prompts import step_batches
-from flowrl.recipes import balancer_needs, rollout_carries
 from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.runs import RunFolder, step_metrics, timed, train_loop
 from flowrl.samplers.candidates import candidate_metrics
-from flowrl.scoring import Scorer, balance, build_rewards, rollout_and_score
+from flowrl.trainers.kit import balancer_needs, rollout_carries
+from flowrl.training.checkpoint import resume_recipe, save_recipe
+from flowrl.training.distributed import Sharding, kept_per_process, make_accelerator
+from flowrl.training.evaluation import TrainingEvaluation
+from flowrl.training.loop import step_metrics, timed, train_loop
+from flowrl.training.optim import EMA, OptimizerConfig, OptimizerStep
+from flowrl.training.prompts import step_batches
+from flowrl.training.runs import RunFolder
+from flowrl.training.scoring import Scorer, balance, build_rewards, rollout_and_score
 from flowrl.types import select_cond
 
 OLD = "old"  # the rollout policy's adapter name; the trained one is "default"

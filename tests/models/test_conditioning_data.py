@@ -9,10 +9,10 @@ import torch
 from PIL import Image
 
 from flowrl.cli import main
-from flowrl.evaluation import evaluate
 from flowrl.models.tiny import TINY_SIZES
-from flowrl.prompts import GroupedPromptSampler, load_prompt_records, load_prompts
 from flowrl.registry import SAMPLERS
+from flowrl.training.evaluation import evaluate
+from flowrl.training.prompts import GroupedPromptSampler, load_prompt_records, load_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

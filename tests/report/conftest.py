@@ -31,8 +31,8 @@ def evaluated_run(tiny_model, tmp_path_factory):
     """
     import torch
 
-    from flowrl.evaluation import evaluate
     from flowrl.registry import REWARDS, SAMPLERS
+    from flowrl.training.evaluation import evaluate
 
     run = tmp_path_factory.mktemp("runs") / "tiny_sd3"
     model = tiny_model("sd3")

@@ -1,4 +1,4 @@
-"""flowrl.evaluation: fixed prompts x seeds through the ODE sampler, every reward, diversity, scores.json."""
+"""flowrl.training.evaluation: fixed prompts x seeds through the ODE sampler, every reward, diversity, scores.json."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from PIL import Image, ImageSequence
 
 from flowrl import media
-from flowrl.evaluation import evaluate, mean_pairwise_distance, pixel_features
+from flowrl.training.evaluation import evaluate, mean_pairwise_distance, pixel_features
 from flowrl.types import PromptBatch
 
 

@@ -96,7 +96,7 @@ def test_scores_json_that_breaks_the_format(tmp_path, capsys, edit, problem):
     path = _edit_scores(run_dir, "base", edit)
     message = _error(capsys, [str(run_dir)])
     assert message == (
-        f"{path} {problem}; it must be a scores.json written by flowrl.evaluation (format flowrl.eval/1): "
+        f"{path} {problem}; it must be a scores.json written by flowrl.training.evaluation (format flowrl.eval/1): "
         f"rewrite it with `flowrl eval --config CONFIG --checkpoint base` or remove the folder {path.parent}"
     )
 

@@ -11,8 +11,8 @@ from tiny_checkpoints import tiny_pickscore
 
 from flowrl.config import ConfigError, dump_config
 from flowrl.registry import REWARDS
-from flowrl.scoring import BatchedReward, build_rewards, score_batch
 from flowrl.trainers import load_config
+from flowrl.training.scoring import BatchedReward, build_rewards, score_batch
 
 PROMPTS = ["a red circle", "two blue squares", "a cat", "one green triangle", "a dog"]
 

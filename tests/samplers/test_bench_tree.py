@@ -1,4 +1,4 @@
-"""`flowrl bench tree` (flowrl/bench_tree.py) at tiny settings: its JSON shape, the forward counts against the tree's
+"""`flowrl bench tree` (flowrl/bench/tree.py) at tiny settings: its JSON shape, the forward counts against the tree's
 node counts by hand, and its one-line errors. Speed is measured, never asserted."""
 
 import json
@@ -6,8 +6,9 @@ import re
 
 import pytest
 
-from flowrl import bench, cli
-from flowrl.bench_tree import CountingModel, interleaved_times
+from flowrl import cli
+from flowrl.bench import tree
+from flowrl.bench.tree import CountingModel, interleaved_times
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -36,7 +37,7 @@ def test_cli_writes_both_families_with_forward_counts_by_hand(tmp_path, capsys):
 
 
 def test_chunked_frontier_counts_the_same_forwards_in_more_calls():
-    result = bench.bench_tree(repeats=1, num_steps=2, split_steps=(0,), families=("toy",), max_forward_batch=1)
+    result = tree.bench_tree(repeats=1, num_steps=2, split_steps=(0,), families=("toy",), max_forward_batch=1)
     assert result["toy"]["forwards_per_leaf"] == {"tree": 1.5, "independent": 2.0}  # 1 + 2 nodes for 2 leaves
     assert result["toy"]["forward_calls"] == {"tree": 3, "independent": 2}
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from flowrl.models import load_flow_model
-from flowrl.prompts import step_batches
 from flowrl.quant import PreviewSpec, build_preview, fake_quant_nvfp4, merged_copy
 from flowrl.ranking import select_indices
 from flowrl.registry import SAMPLERS
@@ -15,6 +14,7 @@ from flowrl.samplers.candidates import candidate_metrics, previewing
 from flowrl.samplers.ode import ODESampler
 from flowrl.samplers.sde import SDESampler
 from flowrl.trainers import load_config
+from flowrl.training.prompts import step_batches
 from flowrl.types import PromptBatch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py

@@ -112,10 +112,10 @@ def test_demo_pairs_gold_with_the_training_judge_and_reads_its_checkpoint(countb
 
 
 def test_heldout_scores_grade_by_the_exact_checker_beside_the_judge():
+    from flowrl.bench.accuracy import sample_images
     from flowrl.demo import heldout_scores
     from flowrl.models.toy import load_toy_model
     from flowrl.registry import REWARDS
-    from flowrl.toy.accuracy import sample_images
     from flowrl.toy.world import split_prompts
 
     model = load_toy_model()
@@ -132,9 +132,9 @@ def test_heldout_scores_grade_by_the_exact_checker_beside_the_judge():
 
 
 def test_heldout_diversity_is_the_mean_rms_pixel_distance_of_each_prompts_seeds():
+    from flowrl.bench.accuracy import sample_images
     from flowrl.demo import heldout_scores
     from flowrl.models.toy import load_toy_model
-    from flowrl.toy.accuracy import sample_images
     from flowrl.toy.world import split_prompts
 
     model = load_toy_model()

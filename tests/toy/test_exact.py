@@ -156,8 +156,8 @@ def test_agrees_with_the_judge_and_the_pixel_analysis_on_model_samples(exact):
     independent flood fill count (foreground = any channel 0.25 off the background, blobs of 4+ px)."""
     from test_world import components
 
+    from flowrl.bench.accuracy import sample_images
     from flowrl.models.toy import load_toy_model
-    from flowrl.toy.accuracy import sample_images
     from flowrl.toy.world import split_prompts
 
     prompts = split_prompts("all")[::3] * 2  # 24 samples

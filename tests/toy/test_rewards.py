@@ -101,8 +101,8 @@ def test_attribute_judge_agrees_with_pixel_analysis_on_model_samples(attributes)
     entry of the foreground mean agree with the judge's argmax."""
     from test_world import components
 
+    from flowrl.bench.accuracy import sample_images
     from flowrl.models.toy import load_toy_model
-    from flowrl.toy.accuracy import sample_images
     from flowrl.toy.world import BACKGROUND_RGB, COLOUR_RGB, COLOURS, split_prompts
 
     prompts = split_prompts("all")[::3] * 2  # 24 prompts

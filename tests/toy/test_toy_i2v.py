@@ -10,10 +10,10 @@ from flowrl.config import ConfigError
 from flowrl.media import load_image
 from flowrl.models.conditioning import conditioning_kind, encode_prompts
 from flowrl.models.toy import load_toy_model, pack, unpack
-from flowrl.prompts import load_prompt_records
 from flowrl.samplers.ode import ODESampler
 from flowrl.toy import sources
 from flowrl.toy.world import parse_prompt, render
+from flowrl.training.prompts import load_prompt_records
 from flowrl.types import PromptBatch, select_cond
 
 PROMPTS = ["two red circles", "one blue square", "three green triangles"]

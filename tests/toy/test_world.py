@@ -166,7 +166,7 @@ def test_impossible_scenes_are_outside_the_world():
 
 
 def test_faint_items_fades_and_shrinks_one_shape_where_the_gold_still_reads_it():
-    from flowrl.toy.exact import find_blobs
+    from flowrl.toy.exact import faint_items, find_blobs
 
     background, red, green = (torch.tensor(rgb) for rgb in (BACKGROUND_RGB, COLOUR_RGB["red"], COLOUR_RGB["green"]))
     full = world.render_items([("red", "square")], 4)
@@ -182,7 +182,7 @@ def test_faint_items_fades_and_shrinks_one_shape_where_the_gold_still_reads_it()
     kept = 0
     for seed in range(20):
         items = [("green", "triangle")] * 4
-        image = world.faint_items(items, seed, generator)
+        image = faint_items(items, seed, generator)
         if image is not None:  # the gold still reads four green triangles, one of them fainter or smaller than the rest
             kept += 1
             blobs = find_blobs(image[None])[0]
@@ -193,6 +193,6 @@ def test_faint_items_fades_and_shrinks_one_shape_where_the_gold_still_reads_it()
             share = torch.einsum("chw,c->hw", offsets, line) / line.square().sum()  # [H, W]
             peaks = sorted(max(share[y, x].item() for y, x in c) for c in components(offsets.abs().amax(0) > 1e-6))
             assert len(peaks) == 4 and peaks[0] <= world.FAINT_STRENGTH[1] + 1e-5 < 0.99 < peaks[1], peaks
-        circles = world.faint_items([("green", "circle")] * 4, seed, generator, same_shapes=False)
+        circles = faint_items([("green", "circle")] * 4, seed, generator, same_shapes=False)
         assert circles is not None and [b.colour for b in find_blobs(circles[None])[0]] == ["green"] * 4  # count, colour
-    assert kept >= 10 and world.faint_items([], 0, generator) is None
+    assert kept >= 10 and faint_items([], 0, generator) is None

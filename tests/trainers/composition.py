@@ -1,4 +1,4 @@
-"""Tiny run configs for every row of the composition matrix (flowrl.recipes), shared by tests/trainers/test_compose.py
+"""Tiny run configs for every row of the composition matrix (flowrl.trainers.compose), shared by tests/trainers/test_compose.py
 and its 2-process worker: `python -m accelerate.commands.launch ... composition.py ROWS.json OUT` runs one training
 step of every row in ROWS.json inside one launch and writes each row's trained weights to OUT/<row index>.safetensors.
 
@@ -11,9 +11,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from flowrl.recipes import variants
 from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.trainers import TRAINERS, build_config
+from flowrl.trainers.compose import variants
 
 # Two, so every balancer has something to balance; both built for the test (importable here and in the 2-process
 # worker, which runs from this folder). Redness differs for any two different images, so every group has reward spread
@@ -95,8 +95,8 @@ def main(rows_file: str, out: str) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from flowrl.distributed import make_accelerator
     from flowrl.trainers import build_trainer
+    from flowrl.training.distributed import make_accelerator
 
     torch.set_num_threads(1)
     rows = json.loads(Path(rows_file).read_text())

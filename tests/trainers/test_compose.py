@@ -1,4 +1,4 @@
-"""The composition matrix (flowrl.recipes, `flowrl recipes`): it is the registries' product; every refused triple
+"""The composition matrix (flowrl.trainers.compose, `flowrl recipes`): it is the registries' product; every refused triple
 is refused by `build_trainer` at config time, before a model loads, with the matrix's own "why"; every working triple
 trains a toy step, resumes bit for bit, and under 2 gloo processes (one launch for all of them) gives the weights of
 1 process. Tiny runs (tests/trainers/composition.py): 2 prompts x group 2, 16x16, 2 sampler steps, two test rewards
@@ -15,10 +15,9 @@ from launching import ROOT, launch_in_background
 from safetensors.torch import load_file
 from test_trainer_contract import assert_same, has_reward_signal
 
-from flowrl import recipes
 from flowrl.cli import main
 from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.trainers import TRAINERS, build_trainer
+from flowrl.trainers import TRAINERS, build_trainer, compose
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -31,7 +30,7 @@ KNOWN_TWO_PROCESS_DIFFERENCES: set[tuple[str, str, str]] = set()
 
 @pytest.fixture(scope="module")
 def rows():
-    return recipes.matrix()
+    return compose.matrix()
 
 
 def test_the_matrix_is_the_registries_product_with_the_declared_variants(rows):
@@ -191,7 +190,7 @@ def test_a_component_without_its_declaration_is_named():
 
     SAMPLERS._entries["bare_for_test"] = Bare
     try:
-        why = recipes.composition_error("nft", recipes.ComponentConfig("bare_for_test"), recipes.ComponentConfig("gdpo"))
+        why = compose.composition_error("nft", compose.ComponentConfig("bare_for_test"), compose.ComponentConfig("gdpo"))
     finally:
         del SAMPLERS._entries["bare_for_test"]
     assert why.startswith("sampler 'bare_for_test' declares no carries(): add one returning a subset of clean_endpoints")

@@ -113,7 +113,7 @@ def test_flowrl_eval_launched_on_two_processes_writes_the_runs_base_eval(tmp_pat
 
 
 def test_the_process_group_timeout_of_the_config_reaches_the_accelerator(tmp_path):
-    from flowrl.distributed import make_accelerator
+    from flowrl.training.distributed import make_accelerator
 
     cfg = load_config(write_config(tmp_path, "timeout"), ["distributed_timeout_s=4321"])
     assert make_accelerator(cfg).init_handler.timeout == timedelta(seconds=4321)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 
-import flowrl.distributed
 import flowrl.models
+import flowrl.training.distributed
 from flowrl.cli import main
 from flowrl.trainers import build_trainer, load_config
 
@@ -81,7 +81,7 @@ def test_flowrl_eval_hands_every_model_setting_and_the_accelerators_device_to_th
 
     accelerator = types.SimpleNamespace(device=torch.device("cuda", 3), num_processes=1, process_index=0)
     monkeypatch.setattr(flowrl.models, "load_flow_model", loader)
-    monkeypatch.setattr(flowrl.distributed, "make_accelerator", lambda cfg: accelerator)
+    monkeypatch.setattr(flowrl.training.distributed, "make_accelerator", lambda cfg: accelerator)
     data = {
         "name": "run",
         "output_dir": str(tmp_path / "runs"),

@@ -4,10 +4,10 @@ import pytest
 import torch
 from dotted import set_dotted
 
-from flowrl.prompts import GroupedPromptSampler
 from flowrl.registry import REWARDS, SAMPLERS
 from flowrl.trainers import build_config
 from flowrl.trainers.grpo import GRPOTrainer
+from flowrl.training.prompts import GroupedPromptSampler
 from flowrl.types import RewardOutput, Rollout
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py

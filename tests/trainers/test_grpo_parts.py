@@ -8,7 +8,7 @@ import torch
 from flowrl.advantages import group_advantages, group_mean_std, zero_std_groups
 from flowrl.balancers import WeightedSumBalancer
 from flowrl.losses import clipped_policy_loss
-from flowrl.prompts import GroupedPromptSampler
+from flowrl.training.prompts import GroupedPromptSampler
 
 REWARDS = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 10.0])
 GROUPS = torch.tensor([0, 0, 0, 1, 1, 1])

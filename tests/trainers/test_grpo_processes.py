@@ -12,9 +12,9 @@ import yaml
 from launching import env, launch
 from safetensors.torch import load_file
 
-from flowrl.checkpoint import FAULT_ENV
 from flowrl.trainers import load_config
 from flowrl.trainers.grpo import GRPOTrainer
+from flowrl.training.checkpoint import FAULT_ENV
 
 NUM_STEPS = 4
 

@@ -1,4 +1,4 @@
-"""MARBLE in the recipes (flowrl.marble.RewardGradients, balancer `marble`): the combined .grad against the
+"""MARBLE in the recipes (flowrl.training.reward_gradients.RewardGradients, balancer `marble`): the combined .grad against the
 per-reward gradients taken one by one, the amortized schedule and its clamp fallback, the config errors, a toy
 learning test, and α of 2 gloo processes equal to 1 process (accelerate launch)."""
 
@@ -11,9 +11,9 @@ from launching import launch
 from test_nft_trainer import PROMPTS, RedPixelsReward, measured_red, nft_config
 
 from flowrl.balancers import MarbleBalancer
-from flowrl.marble import harmonize
-from flowrl.optim import OptimizerConfig, OptimizerStep
+from flowrl.balancers.marble import harmonize
 from flowrl.trainers import build_config, build_trainer
+from flowrl.training.optim import OptimizerConfig, OptimizerStep
 from flowrl.types import RewardOutput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
@@ -35,7 +35,7 @@ class PaintedReward(RedPixelsReward):
 def tiny_setup(form="full", refresh_every=10):
     from accelerate import Accelerator
 
-    from flowrl.marble import RewardGradients
+    from flowrl.training.reward_gradients import RewardGradients
 
     torch.manual_seed(0)
     net = torch.nn.Linear(3, 2)

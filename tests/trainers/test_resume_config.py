@@ -4,10 +4,10 @@ current run keeps that key's default (an upgrade of flowrl between the save and 
 import pytest
 from test_trainer_contract import toy_config
 
-from flowrl.checkpoint import config_differences, field_default
 from flowrl.config import flatten, to_dict
-from flowrl.tagrpo import TAGRPOConfig
+from flowrl.experimental.tagrpo import TAGRPOConfig
 from flowrl.trainers import build_trainer
+from flowrl.training.checkpoint import config_differences, field_default
 
 
 def older(saved: dict, *dotted: str) -> dict:

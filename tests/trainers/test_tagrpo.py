@@ -1,4 +1,4 @@
-"""TAGRPO's trajectory alignment (flowrl/tagrpo.py, train.tagrpo in the GRPO recipe): the targets, the loss and
+"""TAGRPO's trajectory alignment (flowrl/experimental/tagrpo.py, train.tagrpo in the GRPO recipe): the targets, the loss and
 its clip by hand, the memory bank's eviction and weights, coef 0 equal to plain GRPO, the alignment loss lowering
 the distance to better members on the toy model, and resume with a bank bit for bit."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_trainer_contract import assert_same, toy_config, trainable
 
+from flowrl.experimental.tagrpo import Alignment, MemoryBank, TAGRPOConfig, alignment_loss, start_key
 from flowrl.sde import StepRule
-from flowrl.tagrpo import Alignment, MemoryBank, TAGRPOConfig, alignment_loss, start_key
 from flowrl.trainers import build_trainer
 from flowrl.types import Rollout
 
@@ -170,7 +170,7 @@ def test_coef_zero_trains_exactly_as_plain_grpo(tmp_path):
 def test_the_alignment_loss_moves_the_step_mean_toward_better_members(tmp_path):
     """Only the alignment term (advantages 0, no KL): one optimizer step on one rollout lowers the normalised distance
     of each trained transition's step mean to its better members' next latents (4 inner epochs on one rollout)."""
-    from flowrl.scoring import balance_per_reward, rollout_and_score
+    from flowrl.training.scoring import balance_per_reward, rollout_and_score
 
     cfg = toy_config(
         tmp_path,
@@ -229,8 +229,8 @@ def test_tagrpo_needs_a_shared_initial_noise(tmp_path):
 
 
 def test_noise_pool_makes_a_prompts_starts_recur():
-    from flowrl.prompts import GroupedPromptSampler
     from flowrl.seeds import pooled_group_seed
+    from flowrl.training.prompts import GroupedPromptSampler
 
     prompts = ["one red circle", "two blue squares", "three green triangles"]
     pooled = GroupedPromptSampler(prompts, 3, 2, seed=4, noise_pool=2)

@@ -17,8 +17,8 @@ import torch
 from dotted import set_dotted
 from safetensors.torch import load_file
 
-from flowrl.checkpoint import load_checkpoint
 from flowrl.trainers import TRAINERS, build_config, build_trainer
+from flowrl.training.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 

@@ -36,7 +36,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from flowrl.runs import CHECKPOINTS, step_dir_name
+from flowrl.training.runs import CHECKPOINTS, step_dir_name
 
 STEP_PREFIX = "step_"
 # Tests set this to a step number to SIGKILL the process in the middle of writing that step's checkpoint.
@@ -118,7 +118,7 @@ def save_checkpoint(
     """Write the full state of every process for `step`; all processes must call it. Returns the folder.
 
     `trainable`, `optimizer_state` and `ema` are whole (gathered) CPU tensors keyed by parameter name, whatever
-    the sharding (flowrl.distributed); only the main process reads them. The LoRA export is written from `trainable`.
+    the sharding (flowrl.training.distributed); only the main process reads them. The LoRA export is written from `trainable`.
     """
     folder = Path(run_dir) / CHECKPOINTS
     final = folder / step_dir_name(step)
@@ -307,7 +307,7 @@ def save_training_state(
     data-parallel processes). The exported `lora/` holds the EMA adapter when the run keeps EMA (the weights
     the evaluation reports); `trainer_state.json` says which (`lora_weights`: "ema" or "raw").
     """
-    from flowrl.distributed import full
+    from flowrl.training.distributed import full
 
     gather = opt.sharding.kind is not None or accelerator.is_main_process
     trainable, optimizer_state = opt.full_state(gather)
@@ -345,7 +345,7 @@ def restore_training_state(
 
     Refuses a checkpoint written with another config (keys other than RESUMABLE_DIFFERENCES differ).
     """
-    from flowrl.distributed import like
+    from flowrl.training.distributed import like
 
     state = load_checkpoint(path, accelerator.process_index, tuple(groups or {}))
     from flowrl.config import to_dict

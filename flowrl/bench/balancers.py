@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from flowrl.race import REPO, _write_json
+from flowrl.bench.trainers import REPO, _write_json
 
 TOY_CONFIGS = REPO / "configs" / "toy"
 REWARDS = ("toy_attributes", "toy_artifact", "jpeg_compressibility")
@@ -48,8 +48,8 @@ SINGLE = "nft"  # configs/toy/nft.yaml: the single-reward demo
 def heldout_rewards(model, num_seeds: int, num_steps: int, guidance_scale: float) -> dict[str, float]:
     """Every held-out prompt x `num_seeds` fixed seeds: exact attribute accuracy (toy_exact), mean artifact and JPEG
     rewards."""
+    from flowrl.bench.accuracy import exact_accuracy, sample_images
     from flowrl.registry import REWARDS as REGISTRY
-    from flowrl.toy.accuracy import exact_accuracy, sample_images
     from flowrl.toy.world import split_prompts
 
     base = split_prompts("heldout")

@@ -1,7 +1,7 @@
 """Accuracy of a toy model: sample every prompt of a split at fixed seeds, grade them by the exact checker and the judge.
 
-    python -m flowrl.toy.accuracy                      # the shipped model, both splits, the demo's T and CFG
-    python -m flowrl.toy.accuracy --checkpoint /tmp/run/checkpoints/step_001000.safetensors --grid grid.png
+    python -m flowrl.bench.accuracy                      # the shipped model, both splits, the demo's T and CFG
+    python -m flowrl.bench.accuracy --checkpoint /tmp/run/checkpoints/step_001000.safetensors --grid grid.png
 
 Two graders: `exact_accuracy` (the headline) counts a sample right when the rule-based `toy_exact` checker finds
 exactly the prompt's count, colour and shape in its pixels; `judge_accuracy` when the learned attribute judge's argmax

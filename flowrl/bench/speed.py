@@ -1,9 +1,7 @@
-"""`flowrl bench ...`: speed measured side by side in one process, written as JSON with ratios.
+"""`flowrl bench rewards | report | train`: speed measured side by side in one process, written as JSON with ratios.
 
-Timings are best-of-`repeats` wall times after one warm-up call; nothing here is asserted by tests.
-`flowrl bench trainers` (the race between training recipes to GRPO's final held-out accuracy) lives in flowrl/race.py,
-`flowrl bench tree` (tree vs independent rollouts) in flowrl/bench_tree.py, `flowrl bench rollout` (the diffusers
-pipeline vs flowrl's samplers, every tiny family) in flowrl/bench_rollout.py.
+Timings are best-of-`repeats` wall times after one warm-up call; nothing here is asserted by tests. The other benches
+have their own modules beside this one: trainers (the race), balancers, candidates, rollout, tree.
 """
 
 from __future__ import annotations
@@ -17,21 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from flowrl.bench_rollout import bench_rollout
-from flowrl.bench_tree import bench_tree
-from flowrl.race import bench_trainers, merge_results, plot_trainers
-
-__all__ = [
-    "bench_report",
-    "bench_rewards",
-    "bench_rollout",
-    "bench_train",
-    "bench_trainers",
-    "merge_results",
-    "bench_tree",
-    "best_times",
-    "plot_trainers",
-]
+__all__ = ["bench_report", "bench_rewards", "bench_train", "best_times"]
 
 
 def best_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

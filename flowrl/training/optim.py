@@ -5,7 +5,7 @@
     if opt.step(losses):                                        # average, unscale, check, clip, step, lr
         ema.update(opt.params, opt.optimizer_steps)
 
-One code path for every way a run spreads (flowrl.distributed): data parallel (flowrl averages gradients,
+One code path for every way a run spreads (flowrl.training.distributed): data parallel (flowrl averages gradients,
 one all-reduce per optimizer step), FSDP2 (gradients reduced in each backward, sharded) and DeepSpeed ZeRO-2
 (the engine clips and steps inside the boundary backward). fp16 runs scale the loss (`LossScaler`): the
 log-probs are means over every latent element, so at SD3 size most of dL/dv is below fp16's smallest
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.distributed import Sharding
+from flowrl.training.distributed import Sharding
 
 EMA_MODES = ("ramp", "constant")
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 BACKENDS = (
     "few_step",
     "few_step+int8",
@@ -56,9 +56,9 @@ PUBLISHED = {
 def _world(name: str, folder: Path, num_prompts: int):
     """(model, sampler, score_fn, prompts, kept) of one world, from its Sol-RL config."""
     from flowrl.models import load_flow_model
-    from flowrl.prompts import load_prompts
     from flowrl.registry import REWARDS, SAMPLERS
     from flowrl.trainers import load_config
+    from flowrl.training.prompts import load_prompts
 
     if name == "toy":
         cfg = load_config(REPO / "configs" / "toy" / "solrl.yaml")

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).parents[1]  # = Path(flowrl.__file__).parents[1]
+REPO = Path(__file__).parents[2]  # = Path(flowrl.__file__).parents[1]
 TOY_CONFIGS = REPO / "configs" / "toy"
 BASELINE = "grpo"  # the recipe whose median final accuracy is the target
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # what "training seconds" are read from
@@ -114,8 +114,8 @@ def _run_recipe(
     import torch
 
     from flowrl.demo import heldout_scores, judge_checkpoint
-    from flowrl.runs import progress_bar, show_progress
     from flowrl.trainers import build_trainer, load_config
+    from flowrl.training.loop import progress_bar, show_progress
 
     with tempfile.TemporaryDirectory() as root:
         fixed = [f"seed={seed}", f"output_dir={root}", f"name=bench_{recipe}_{seed}", "logging.trackers=[]"]

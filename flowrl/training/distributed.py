@@ -37,7 +37,7 @@ def make_accelerator(cfg):
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     trackers = [tr for tr in cfg.logging.trackers if tr != "wandb" or _installed("wandb")]
-    # flowrl runs autocast inside the model's velocity and scales fp16 losses itself (flowrl.optim), so
+    # flowrl runs autocast inside the model's velocity and scales fp16 losses itself (flowrl.training.optim), so
     # accelerate's own mixed precision is only handed to the sharded engines: FSDP2 casts for compute (and reduces in
     # float32, Sharding.prepare), DeepSpeed scales fp16 losses. DeepSpeed's bf16 mode would cast the whole module, the
     # trained LoRA and NFT's old adapter with it (and so the EMA), to bf16: under bf16 its engine stays float32

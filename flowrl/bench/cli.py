@@ -1,7 +1,7 @@
 """`flowrl bench ...`: the arguments and dispatch of the bench subcommands (flowrl/cli.py registers them).
 
-Every bench writes JSON with ratios measured side by side in one run: flowrl/bench.py (rewards, report, train),
-flowrl/bench_rollout.py, flowrl/race.py (trainers), flowrl/bench_tree.py, flowrl/bench_candidates.py, flowrl/bench_balancers.py.
+Every bench writes JSON with ratios measured side by side in one run: flowrl/bench/speed.py (rewards, report, train),
+flowrl/bench/rollout.py, flowrl/bench/trainers.py (trainers), flowrl/bench/tree.py, flowrl/bench/candidates.py, flowrl/bench/balancers.py.
 """
 
 from __future__ import annotations
@@ -87,14 +87,18 @@ def _run_bench(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from flowrl import bench
+    from flowrl.bench import speed
 
     if args.what == "trainers" and args.merge:
-        bench.merge_results(args.merge, args.json)
+        from flowrl.bench.trainers import merge_results
+
+        merge_results(args.merge, args.json)
         print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
         return 0
     if args.what == "trainers":
-        bench.bench_trainers(
+        from flowrl.bench.trainers import bench_trainers
+
+        bench_trainers(
             recipes=None if args.recipes is None else [name.strip() for name in args.recipes.split(",")],
             seeds=_int_list("--seeds", args.seeds),
             eval_every_n_steps=_positive_int("--eval-every", args.eval_every),
@@ -108,13 +112,13 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
         return 0
     if args.what == "balancers" and args.merge:
-        from flowrl.bench_balancers import merge_balancers
+        from flowrl.bench.balancers import merge_balancers
 
         result = merge_balancers(args.merge, args.json)
         print(f"wrote {args.json}: marble_step_ratio {result['marble_step_ratio']}")
         return 0
     if args.what == "balancers":
-        from flowrl.bench_balancers import bench_balancers
+        from flowrl.bench.balancers import bench_balancers
 
         timing_steps = args.timing_steps.strip()
         result = bench_balancers(
@@ -128,26 +132,30 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}: marble_step_ratio {result['marble_step_ratio']}")
         return 0
     if args.what == "candidates":
-        from flowrl.bench_candidates import bench_candidates
+        from flowrl.bench.candidates import bench_candidates
 
         worlds = tuple(name.strip() for name in args.worlds.split(","))
         result = bench_candidates(num_prompts=_positive_int("--num-prompts", args.num_prompts), worlds=worlds)
     elif args.what == "rollout":
-        result = bench.bench_rollout(
+        from flowrl.bench.rollout import bench_rollout
+
+        result = bench_rollout(
             repeats=_positive_int("--repeats", str(args.repeats)),
             num_steps=_positive_int("--num-steps", args.num_steps),
             batch_size=_positive_int("--batch-size", args.batch_size),
             families=None if args.families is None else tuple(name.strip() for name in args.families.split(",")),
         )
     elif args.what == "tree":
-        result = bench.bench_tree(
+        from flowrl.bench.tree import bench_tree
+
+        result = bench_tree(
             repeats=_positive_int("--repeats", str(args.repeats)),
             num_steps=_positive_int("--num-steps", args.num_steps),
             split_steps=tuple(_int_list("--split-steps", args.split_steps)),
             families=tuple(name.strip() for name in args.families.split(",")),
         )
     else:
-        result = getattr(bench, f"bench_{args.what}")(repeats=args.repeats)
+        result = getattr(speed, f"bench_{args.what}")(repeats=args.repeats)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))

@@ -51,10 +51,10 @@ from typing import Any
 import torch
 
 from flowrl import media
-from flowrl.prompts import load_prompt_records
 from flowrl.reward_contract import nan_to_none, score_checked
 from flowrl.samplers.ode import ODESampler
-from flowrl.scoring import build_rewards
+from flowrl.training.prompts import load_prompt_records
+from flowrl.training.scoring import build_rewards
 from flowrl.types import FlowModel, PromptBatch, Reward
 
 SCORES_FORMAT = "flowrl.eval/1"
@@ -440,7 +440,7 @@ class TrainingEvaluation:
         return contextlib.nullcontext(), "raw"
 
     def __call__(self, step: int | None) -> dict | None:
-        from flowrl.runs import step_dir_name
+        from flowrl.training.runs import step_dir_name
 
         context, label = self.weights(step)
         with context:

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flowrl.bench_tree import interleaved_times
+from flowrl.bench.tree import interleaved_times
 
 TARGET = 1.10  # sde_over_pipeline <= TARGET
 SAMPLER_SIDES = ("ode", "sde", "sde_cold")

@@ -24,7 +24,7 @@ import torch
 from flowrl.advantages import group_advantages
 from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_scores, score_checked
-from flowrl.runs import timed
+from flowrl.training.loop import timed
 from flowrl.types import RewardOutput, Rollout
 
 POLICIES = ("raise", "skip_sample")
@@ -202,7 +202,7 @@ def rollout_and_score(sampler, model, batch, scorer: Scorer, num_chunks: int, st
     score_fn = ranking_score_fn(scorer, weights or {})
     model.transformer.eval()
     for c in range(num_chunks):
-        tic = timed(model.device)  # synchronised on CUDA (flowrl.runs.Clock)
+        tic = timed(model.device)  # synchronised on CUDA (flowrl.training.runs.Clock)
         part = sampler(model, batch.select(slice(c * chunk, (c + 1) * chunk)), score_fn=score_fn, step=step)
         seconds += tic.seconds()
         parts.append(part)

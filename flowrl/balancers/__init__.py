@@ -337,7 +337,7 @@ MARBLE_FORMS = ("full", "amortized")
 @dataclass
 class MarbleBalancer:
     """MARBLE (arXiv 2605.06507): one advantage row per reward, A_k = z-score of r_k per prompt group; the trainer
-    balances the K per-reward gradients (flowrl/marble.py), so `advantages` here is only Σ_k ᾱ_k A_k with the α the
+    balances the K per-reward gradients (flowrl/balancers/marble.py), so `advantages` here is only Σ_k ᾱ_k A_k with the α the
     trainer holds (uniform until it learns one). Weights do not act: each gradient is normalized before the QP."""
 
     recipe_variants: ClassVar[dict[str, dict]] = {"full": {"form": "full"}, "amortized": {"form": "amortized"}}

@@ -45,5 +45,3 @@ def rollout_carries(spec: ComponentConfig) -> frozenset[str]:
 def balancer_needs(spec: ComponentConfig) -> frozenset[str]:
     """What balancer `spec` (name + kwargs) asks of the trainer; the balancer's own argument errors raise here."""
     return _declared("balancer", spec, BALANCERS.get(spec.name)(**spec.kwargs), "needs", NEEDS)
-
-

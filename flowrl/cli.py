@@ -224,21 +224,14 @@ def _add_rewards(sub: argparse._SubParsersAction) -> None:
 
 def _run_rewards(args: argparse.Namespace) -> int:
     import json
-    from importlib.metadata import PackageNotFoundError, version
 
+    from flowrl.environment import installed
     from flowrl.registry import REWARDS
-
-    def installed(package: str) -> bool:
-        try:
-            version(package)
-        except PackageNotFoundError:
-            return False
-        return True
 
     rows = []
     for name in REWARDS.names():
         cls = REWARDS.get(name)
-        extras = list(getattr(cls, "extra_requires", ()))
+        extras = list(getattr(cls, "extra_requires", ()))  # a plugin that declares none
         rows.append(
             {
                 "name": name,
@@ -358,7 +351,8 @@ def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, s
     config's `run_dir` (output_dir/name).
     """
     import os
-    import re
+
+    from flowrl.training.runs import step_of
 
     run_dir = None
     if checkpoint == "base":
@@ -370,10 +364,10 @@ def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, s
                 f"--checkpoint {checkpoint!r} does not exist; pass a checkpoints/step_XXXXXX folder or 'base'"
             )
         label = os.path.basename(os.path.normpath(checkpoint))
-        match = re.fullmatch(r"step_(\d+)", label)
-        step = int(match.group(1)) if match else 0
+        numbered = step_of(label)
+        step = numbered if numbered is not None else 0
         parent = os.path.dirname(os.path.normpath(checkpoint))
-        if match and os.path.basename(parent) == "checkpoints":
+        if numbered is not None and os.path.basename(parent) == "checkpoints":
             run_dir = os.path.dirname(parent)
     if out:
         return out, step, label

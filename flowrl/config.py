@@ -182,9 +182,8 @@ class RunConfig:
 
     @property
     def run_dir(self) -> Path:
-        from flowrl.training.runs import RunFolder
-
-        return RunFolder(self.output_dir, self.name).root
+        """<output_dir>/<name>: the run folder (flowrl.training.runs.RunFolder lays out what it holds)."""
+        return Path(self.output_dir) / self.name
 
 
 _COMPONENT_SECTIONS = {"sampler": "SAMPLERS", "balancer": "BALANCERS"}

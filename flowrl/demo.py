@@ -42,13 +42,14 @@ def heldout_scores(model, num_seeds: int, num_steps: int, guidance_scale: float,
     from flowrl.bench.accuracy import exact_accuracy, judge_accuracy, sample_images
     from flowrl.models.conditioning import conditioning_kind
     from flowrl.registry import REWARDS
+    from flowrl.seeds import heldout_seeds
     from flowrl.toy.judges import load_judge
     from flowrl.toy.world import split_prompts
     from flowrl.training.evaluation import mean_pairwise_distance, pixel_features
 
     base = split_prompts("heldout")
     prompts = [p for p in base for _ in range(num_seeds)]
-    seeds = [10_000 + i * 100 + k for i in range(len(base)) for k in range(num_seeds)]
+    seeds = heldout_seeds(len(base), num_seeds)
     metadata = None
     if conditioning_kind(model) == "image":
         from flowrl.toy.sources import source_records
@@ -96,10 +97,10 @@ def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> di
         shutil.rmtree(cfg.run_dir)
     trainer = build_trainer(cfg)
     steps, guidance, judge = cfg.eval.num_steps, cfg.eval.guidance_scale, judge_checkpoint(cfg)
-    with trainer.model.adapter_disabled():
-        before = heldout_scores(trainer.model, SUMMARY_SEEDS, steps, guidance, judge)
+    with trainer.parts.model.adapter_disabled():
+        before = heldout_scores(trainer.parts.model, SUMMARY_SEEDS, steps, guidance, judge)
     trainer.train()
-    after = heldout_scores(trainer.model, SUMMARY_SEEDS, steps, guidance, judge)
+    after = heldout_scores(trainer.parts.model, SUMMARY_SEEDS, steps, guidance, judge)
     summary = {
         "exact_accuracy_before": before["exact_accuracy"],
         "exact_accuracy_after": after["exact_accuracy"],
@@ -118,7 +119,7 @@ def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> di
         "before": before,
         "after": after,
     }
-    run = trainer.run
+    run = trainer.parts.run
     run.summary.write_text(json.dumps(summary, indent=2))  # before the report, which shows it
     pairs = hacking_pairs(cfg)
     report = build_report(run.root, out_dir=run.report, hacking_margin=HACKING_MARGIN, hacking_pairs=pairs)

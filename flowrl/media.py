@@ -91,15 +91,9 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     return (images.detach() * 255).round().clamp(0, 255).to(torch.uint8)
 
 
-def encode_png(image: torch.Tensor) -> bytes:
-    """[3, H, W] in [0, 1] -> PNG bytes (8-bit, so values are rounded to k/255)."""
-    buffer = io.BytesIO()
-    Image.fromarray(to_uint8(image).permute(1, 2, 0).cpu().numpy()).save(buffer, format="PNG", compress_level=1)
-    return buffer.getvalue()
-
-
 def encode_pngs(images: torch.Tensor) -> list[bytes]:
-    """[N, 3, H, W] in [0, 1] -> N PNG byte strings; the uint8 conversion is done once for the whole batch."""
+    """[N, 3, H, W] in [0, 1] -> N PNG byte strings (8-bit, so values are rounded to k/255); the uint8 conversion is
+    done once for the whole batch."""
     pixels = to_uint8(images).permute(0, 2, 3, 1).contiguous().cpu().numpy()  # [N, H, W, 3]
     out = []
     for array in pixels:

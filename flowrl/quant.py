@@ -31,8 +31,6 @@ import torch.nn.functional as F
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-E4M3_MIN_NORMAL = 2.0**-6
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # every E2M1 magnitude (0.5 is the only subnormal)
 
 
 # ------------------------------------------------------------------------------------------ element rounding

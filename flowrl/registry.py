@@ -1,4 +1,4 @@
-"""Flat name -> class registries (DESIGN.md principle 4).
+"""Flat name -> class registries.
 
 Entries come from three places: classes in this tree that register with the decorator, installed packages
 that declare an entry point in the registry's group (e.g. `flowrl.rewards`), and dotted paths

@@ -1,4 +1,4 @@
-"""The Reward contract (DESIGN.md "Contracts"), in core: input checks every reward runs, and the checked call used by
+"""The Reward contract, in core: input checks every reward runs, and the checked call used by
 `flowrl score`, `flowrl serve-reward` and the benchmarks.
 
 Every error is one line naming the field, the value and the fix.

@@ -1,6 +1,6 @@
 """Time, noise schedules, stochastic steps and Gaussian log-probs of flow-matching samplers.
 
-This module owns all sigma / timestep / log-prob arithmetic of flowrl (DESIGN.md principle 3); samplers
+This module owns all sigma / timestep / log-prob arithmetic of flowrl; samplers
 loop over steps and call it, trainers re-score stored transitions with it. Conventions
 (docs/math.md#sigma-time-convention): `x_σ = (1 − σ)·x0 + σ·ε`, σ = 1 is pure noise, σ = 0 is data, the model predicts the velocity
 `v ≈ E[ε − x0 | x_σ]`, and a sampling grid runs `1 = σ_0 > σ_1 > … > σ_T = 0`. Every step and every

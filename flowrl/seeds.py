@@ -12,6 +12,9 @@ A sample's three random streams hang off its own seed `s`:
 A group's seed g is its first sample's seed, or with data.noise_pool = P the prompt's pooled seed number e mod P
 (e: how often the prompt was drawn before). A prompt group's candidate pool (the candidates sampler) hangs off g:
     pool seeds, then random selection draws    manual_seed(g + POOL_STREAM)
+
+The fixed measurements outside training (held-out accuracy, benches) and the scripts that made the shipped toy
+weights take their seeds from the named functions at the end.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ def step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 31 + step)
 
 
+def adjoint_order_generator(seed: int, step: int) -> torch.Generator:
+    """CPU generator of adjoint matching's minibatch order at a step, apart from the step's loss-time draws."""
+    return step_generator(seed + 1, step)
+
+
 def sample_generators(seeds: torch.Tensor, device: torch.device | str, offset: int = 0) -> list[torch.Generator]:
     """One generator per sample, seeded with seed + offset (diffusers' convention for per-image seeds)."""
     return [torch.Generator(device).manual_seed(int(s) + offset) for s in seeds.tolist()]
@@ -64,3 +72,36 @@ def pool_generator(group_seed: int) -> torch.Generator:
 def pool_seeds(generator: torch.Generator, pool_size: int) -> torch.Tensor:
     """[P] int64 seeds of a candidate pool, UniformInt[0, 2^31 − 1) (Sol-RL); a larger pool extends a smaller one."""
     return torch.randint(0, MAX_SEED, (pool_size,), generator=generator, dtype=torch.int64)
+
+
+# ---- fixed measurements and the shipped weights' scripts -------------------------------------------------------------
+def heldout_seeds(num_prompts: int, num_seeds: int) -> list[int]:
+    """[P * S] the fixed seeds of the held-out measurements (`flowrl demo`'s before/after, `flowrl bench trainers` and
+    `balancers`), prompt-major: seed k of prompt i is 10,000 + 100 i + k."""
+    return [10_000 + i * 100 + k for i in range(num_prompts) for k in range(num_seeds)]
+
+
+def split_seeds(seed: int, num_prompts: int, num_per_prompt: int) -> list[int]:
+    """[P * S] the seeds of `python -m flowrl.bench.accuracy`'s measurement of a split under run seed `seed`,
+    prompt-major: sample k of prompt i is 1,000,000 seed + 1000 i + k."""
+    return [seed * 1_000_000 + i * 1000 + k for i in range(num_prompts) for k in range(num_per_prompt)]
+
+
+def bench_group_seed(index: int) -> int:
+    """The group seed of prompt `index` in `flowrl bench candidates` (its candidate pool hangs off it)."""
+    return 1000 + index
+
+
+def judge_heldout_generator(seed: int) -> torch.Generator:
+    """scripts/train_toy_judges.py: the held-out scenes a judge trained with `seed` is measured on."""
+    return torch.Generator().manual_seed(seed + 1_000_000)
+
+
+def judge_impossible_generator(seed: int) -> torch.Generator:
+    """scripts/train_toy_judges.py: the impossible scenes (counts or colours the world never draws) it is measured on."""
+    return torch.Generator().manual_seed(seed + 2_000_000)
+
+
+def pretrain_eval_generator(seed: int) -> torch.Generator:
+    """scripts/pretrain_toy.py: the fixed evaluation batch of a pretraining run with `seed`."""
+    return torch.Generator().manual_seed(seed + 12345)

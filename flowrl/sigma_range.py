@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.types import FlowModel
+from flowrl.types import FlowModel, Sampler
 
 
 def trainable_steps(model: FlowModel, sigmas: torch.Tensor) -> torch.Tensor:
@@ -40,31 +40,15 @@ def range_text(model: FlowModel) -> str:
     return f"the trained σ range [{lo:.4g}, {hi:.4g}] (model.train_expert)"
 
 
-def check_trainable(trainer: str, sampler, model: FlowModel) -> None:
+def check_trainable(trainer: str, sampler: Sampler, model: FlowModel) -> None:
     """Raise a one-line error where the rollouts of `sampler` leave recipe `trainer` nothing to train on the model's
-    trainable σ range. A no-op for one-module models (every σ trains)."""
-    from flowrl.samplers.candidates import CandidatesSampler
-    from flowrl.samplers.ode import ODESampler
-    from flowrl.samplers.sde import SDESampler, resolve_size
-    from flowrl.samplers.tree import TreeSampler
-
+    trainable σ range (the steps the sampler states, `Sampler.trained_steps`). A no-op for one-module models (every σ
+    trains)."""
     if model.trainable_sigma_range() == (0.0, 1.0):
         return
-    if isinstance(sampler, CandidatesSampler):
-        sampler = sampler.full_sampler
-    if isinstance(sampler, ODESampler):
-        if sampler.scheduler != "euler":
-            return  # the checkpoint's own scheduler sets the grid at run time; NFT checks it there
-        grid = model.sigmas(sampler.num_steps, *resolve_size(sampler, model))
-    elif isinstance(sampler, (SDESampler, TreeSampler)):
-        grid = sampler.grid(model)
-    else:
-        return
-    steps = trainable_steps(model, grid)
-    if trainer == "grpo" and isinstance(sampler, SDESampler):  # raises where a window cannot lie on trainable steps
-        steps &= sampler.noise_levels(torch.zeros(1, dtype=torch.int64), 0, steps)[0] > 0
-    if trainer == "grpo" and isinstance(sampler, TreeSampler):
-        steps &= torch.tensor(sampler.step_noise_levels()) > 0
+    steps = sampler.trained_steps(model, stochastic_only=trainer == "grpo")  # raises where a window cannot lie there
+    if steps is None:
+        return  # the checkpoint's own scheduler sets the grid at run time; NFT checks it there
     if trainer in ("grpo", "nft", "adjoint_matching") and not steps.any():
         raise ValueError(
             f"sampler.num_steps={sampler.num_steps}: no {'stochastic ' if trainer == 'grpo' else ''}step of the rollout "

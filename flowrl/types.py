@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -145,13 +145,6 @@ class Rollout:
         index = torch.arange(n * width, device=self.latents.device).view(n, width)
         return self.latents.flatten(0, 1), index
 
-    @property
-    def train_mask(self) -> torch.Tensor:
-        """[N, T] bool: the trainable transitions of `transitions` as a mask."""
-        mask = torch.zeros(self.noise_levels.shape, dtype=torch.bool)
-        mask[self.transitions[:, 0], self.transitions[:, 1]] = True
-        return mask
-
     @classmethod
     def concat(cls, parts: list[Rollout]) -> Rollout:
         """Rollouts of one sampler (same grid, rule, guidance) stacked along the samples; extras too.
@@ -275,6 +268,7 @@ class FlowModel(Protocol):
 class Reward(Protocol):
     modalities: tuple[str, ...]  # ("image",), ("video",) or both
     differentiable: bool
+    extra_requires: tuple[str, ...]  # pip packages it imports beyond flowrl's own (`flowrl rewards list` checks them)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput: ...
 
@@ -285,6 +279,14 @@ ScoreFn = Callable[[torch.Tensor, list[str], list[dict[str, Any]]], torch.Tensor
 
 
 class Sampler(Protocol):
+    """Rollouts for a trainer (samplers/: ode, sde, tree, candidates). What a recipe reads of a sampler is declared here,
+    not looked up: what its rollouts carry, the steps of its grid that train on a model, its guidance and its metrics."""
+
+    num_steps: int  # denoising steps T of a rollout
+    guidance_scale: float | None  # CFG scale; None = the model's `default_guidance_scale`
+    whole_groups: ClassVar[bool]  # every prompt group is rolled out in one call, on one process (trees, candidate pools)
+    recipe_variants: ClassVar[dict[str, dict]]  # the rows `flowrl recipes` lists for it: {suffix: its arguments}
+
     def __call__(
         self,
         model: FlowModel,
@@ -294,3 +296,53 @@ class Sampler(Protocol):
         step: int = 0,
     ) -> Rollout:
         """`step` is the training step (samplers whose schedule moves with training read it)."""
+
+    def carries(self) -> frozenset[str]:
+        """What its rollouts hold for a trainer, in the vocabulary of flowrl.trainers.kit.CARRIES."""
+
+    def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor | None:
+        """[T] bool: the steps of its grid for `model` that carry a trainable transition (the σ the model trains,
+        flowrl.sigma_range); with `stochastic_only`, only those some rollout draws stochastically. None where the grid
+        is known only at run time (a pipeline scheduler). Raises where its own settings cannot meet the model's range
+        (an SDE window that cannot lie on trained steps)."""
+
+    def check_groups(self, group_size: int, chunk_size: int | None = None, num_chunks: int = 1) -> None:
+        """Raise a one-line error where prompt groups of `group_size` samples (rolled out in `num_chunks` chunks of
+        `chunk_size` samples per process, once those are known) do not suit the sampler (a tree has one leaf per
+        sample of its group)."""
+
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """The step's metrics of this sampler's rollout (candidate pools: preview/full rank fidelity; {} for most)."""
+
+
+@dataclass
+class Balance:
+    """What a balancer returns, over the M samples of the gathered batch."""
+
+    advantages: torch.Tensor  # [M] float32; 0 for a sample no reward applies to
+    keep: torch.Tensor  # [M] bool: samples the method keeps in the loss (all True without a mask)
+    per_reward: torch.Tensor | None  # [K, M] float32 per-reward advantages, rows in the order of `scores`; or None
+    metrics: dict[str, float]
+
+
+class Balancer(Protocol):
+    """Scores of K rewards -> one advantage per sample (flowrl/balancers/, docs/math.md#multi-reward-balancing)."""
+
+    recipe_variants: ClassVar[dict[str, dict]]  # the rows `flowrl recipes` lists for it: {suffix: its arguments}
+
+    def needs(self) -> frozenset[str]:
+        """What it asks of the trainer beyond one advantage per sample, in the vocabulary of flowrl.trainers.kit.NEEDS
+        ("reward_gradients": a `GradientBalancer` whose per-reward gradients the recipe balances)."""
+
+    def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:
+        """scores {name: [M]} (NaN = not applicable), group_ids [M], weights {name: w} -> Balance over the M samples."""
+
+
+class GradientBalancer(Balancer, Protocol):
+    """A balancer whose `needs()` holds "reward_gradients" (MARBLE): the recipe's per-reward gradient plumbing
+    (flowrl/training/reward_gradients.py) reads these settings and writes the weights it learns into `alpha`."""
+
+    form: str  # 'full': the min-norm QP every optimizer step; 'amortized': every `refresh_every` steps
+    refresh_every: int  # the amortized form's QP cadence, in optimizer steps
+    alpha_ema: float  # ρ of the amortized form's ᾱ_t = ρ·ᾱ_{t−1} + (1 − ρ)·α*_t
+    alpha: torch.Tensor | None  # [K] ᾱ the advantages are combined with (None: uniform until the recipe sets it)

@@ -212,6 +212,17 @@ class CandidatesSampler:
         the selected seeds are not the SDE's own draws of the initial noise, so the rollouts do not follow its law."""
         return self.full_sampler.carries() - {"memoryless"}
 
+    def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor | None:
+        """The stage-2 sampler's (it regenerates the rollout)."""
+        return self.full_sampler.trained_steps(model, stochastic_only)
+
+    def check_groups(self, group_size: int, chunk_size: int | None = None, num_chunks: int = 1) -> None:
+        """Any group size: a pool larger than the group is checked per call (pool_size >= the group's rows)."""
+
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """The step's `candidates/...` metrics (`candidate_metrics`)."""
+        return candidate_metrics(rollout)
+
     @property
     def pool_rollouts(self) -> bool:
         """Whether a pool is run by a full sampler and its selected rows kept (naive scaling, training on previews)."""

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from flowrl import sde
 from flowrl.registry import SAMPLERS
-from flowrl.samplers.sde import integrate, start_rollout
+from flowrl.samplers.sde import integrate, resolve_size, start_rollout
+from flowrl.sigma_range import trainable_steps
 from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
 
 
 @SAMPLERS.register("ode")
 @dataclass
 class ODESampler:
+    whole_groups: ClassVar[bool] = False  # every sample is its own ODE: a group may span chunks and processes
+    recipe_variants: ClassVar[dict[str, dict]] = {"": {}}
+
     num_steps: int = 20
     height: int | None = None
     """None = the model's native size (its pipeline's default)."""
@@ -43,6 +48,20 @@ class ODESampler:
     def carries(self) -> frozenset[str]:
         """What its rollouts hold for a trainer (docs/recipes/compose.md): clean endpoints, no behaviour log-probs."""
         return frozenset({"clean_endpoints"})
+
+    def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor | None:
+        """[T] bool: the steps of the Euler grid on the σ the model trains (none with `stochastic_only`: every step is
+        deterministic); None for scheduler='pipeline', whose grid the checkpoint's own scheduler sets at run time."""
+        if self.scheduler != "euler":
+            return None
+        steps = trainable_steps(model, model.sigmas(self.num_steps, *resolve_size(self, model)))
+        return torch.zeros_like(steps) if stochastic_only else steps
+
+    def check_groups(self, group_size: int, chunk_size: int | None = None, num_chunks: int = 1) -> None:
+        """Any group size and chunking: every sample is rolled out on its own."""
+
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        return {}
 
     @torch.no_grad()
     def __call__(

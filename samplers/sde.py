@@ -110,6 +110,7 @@ def integrate(
 class SDESampler:
     """Stochastic rollouts that record every latent and the behaviour log-prob of every transition."""
 
+    whole_groups: ClassVar[bool] = False  # every sample owns its randomness: a group may span chunks and processes
     recipe_variants: ClassVar[dict[str, dict]] = {  # the rows `flowrl recipes` lists for this sampler
         "": {},
         "memoryless": {  # adjoint matching's rollout: flow_grpo steps with a = √2 on a uniform grid short of σ = 1
@@ -187,6 +188,28 @@ class SDESampler:
         if memoryless and not self.sde_window_size and self.sigma_max < 1.0:
             out.add("memoryless")
         return frozenset(out)
+
+    def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor:
+        """[T] bool: the steps of its grid on the σ the model trains; with `stochastic_only`, those some sample draws
+        stochastically (every step but the last, or the range its window lies in, which `window_range` places on the
+        trained steps and raises where it cannot)."""
+        steps = trainable_steps(model, self.grid(model))
+        return steps & self.stochastic_steps(steps) if stochastic_only else steps
+
+    def stochastic_steps(self, trainable: torch.Tensor | None = None) -> torch.Tensor:
+        """[T] bool: the steps whose transition is stochastic for some sample (`noise_levels` > 0 in some row)."""
+        t = self.num_steps
+        if self.noise_level == 0:
+            return torch.zeros(t, dtype=torch.bool)
+        lo, hi = (0, max(t - 1, 1)) if self.sde_window_size == 0 else self.window_range(trainable)
+        cols = torch.arange(t)
+        return (cols >= lo) & (cols < hi)
+
+    def check_groups(self, group_size: int, chunk_size: int | None = None, num_chunks: int = 1) -> None:
+        """Any group size and chunking: a group's shared noise (same_latent) comes from its global group seed."""
+
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        return {}
 
     def window_range(self, trainable: torch.Tensor | None = None) -> tuple[int, int]:
         """[r0, r1) where the window may lie; with `trainable` [T] bool, only among the steps the model trains."""

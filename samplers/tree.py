@@ -40,6 +40,7 @@ from flowrl.models.conditioning import encode_prompts
 from flowrl.registry import SAMPLERS
 from flowrl.samplers.sde import batch_seeds, latent_seeds, resolve_size
 from flowrl.seeds import NOISE_STREAM, sample_generators
+from flowrl.sigma_range import trainable_steps
 from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn, select_cond
 
 SPLIT_LOG_PROBS = ("scaled", "unscaled")
@@ -51,6 +52,7 @@ class TreeSampler:
     """Branching SDE rollouts with shared prefixes; one tree per prompt group, its leaves are the group's samples."""
 
     whole_groups: ClassVar[bool] = True  # a tree needs its whole group on one process (GroupedPromptSampler)
+    recipe_variants: ClassVar[dict[str, dict]] = {"": {}}
 
     num_steps: int = 20
     """Denoising steps T (BranchGRPO: 20)."""
@@ -131,6 +133,28 @@ class TreeSampler:
         so a policy-gradient trainer credits each edge from its leaves (one advantage per edge, not per sample)."""
         stochastic = any(level > 0 for level in self.step_noise_levels())
         return frozenset({"clean_endpoints", "per_edge"} | ({"log_probs"} if stochastic else set()))
+
+    def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor:
+        """[T] bool: the steps of its grid on the σ the model trains; with `stochastic_only`, only its stochastic ones."""
+        steps = trainable_steps(model, self.grid(model))
+        return steps & (torch.tensor(self.step_noise_levels()) > 0) if stochastic_only else steps
+
+    def check_groups(self, group_size: int, chunk_size: int | None = None, num_chunks: int = 1) -> None:
+        """A tree's leaves are its group's samples, and a rollout chunk holds whole trees."""
+        leaves = self.num_leaves
+        if group_size != leaves:
+            raise ValueError(
+                f"data.group_size={group_size} but the tree of sampler.split_steps={list(self.split_steps)} and "
+                f"sampler.branching={self.branching} has {leaves} leaves; set data.group_size={leaves}"
+            )
+        if chunk_size is not None and chunk_size % leaves:
+            raise ValueError(
+                f"train.num_rollout_batches={num_chunks} makes rollout chunks of {chunk_size} samples, which splits a tree "
+                f"of {leaves} leaves; make it a divisor of the {chunk_size * num_chunks // leaves} trees per process"
+            )
+
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        return {}
 
     # -- the shape of a tree (the same for every tree) --------------------------------------------------------
     @property

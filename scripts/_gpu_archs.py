@@ -85,7 +85,7 @@ OPEN_CLIP_VIT_B32 = {
     "vision_cfg": {"image_size": 224, "layers": 12, "width": 768, "patch_size": 32},
     "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12},
 }
-# parameter counts of the transformers (docs COSTS.md, counted on meta): the check compares against these
+# parameter counts of the transformers (counted on meta): the check compares against these
 EXPECTED_PARAMS_B = {"sd3": 2.243, "flux": 11.901, "wan": 1.419}
 PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "wan": "WanPipeline"}
 

@@ -101,7 +101,7 @@ def run_config(ctx: Context, yaml_path: str, family: str, real: dict, tiny: dict
 
 
 def trainable(trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().cpu().clone() for n, p in trainer.model.transformer.named_parameters() if p.requires_grad}
+    return {n: p.detach().float().cpu().clone() for n, p in trainer.parts.model.transformer.named_parameters() if p.requires_grad}
 
 
 class FirstPass:
@@ -118,7 +118,7 @@ class FirstPass:
 
         def recorded(log_probs, old_log_probs, advantages, clip_range):
             loss, stats = self.original(log_probs, old_log_probs, advantages, clip_range)
-            if self.trainer.opt.optimizer_steps == self.start:
+            if self.trainer.parts.opt.optimizer_steps == self.start:
                 self.ratios.append(stats["ratio"].detach().double().cpu())
             return loss, stats
 
@@ -130,7 +130,7 @@ class FirstPass:
 
     def step(self) -> dict:
         """One training step: its perf/* and train/ratio_* metrics, the first pass's ratios, peak memory."""
-        self.ratios, self.start = [], self.trainer.opt.optimizer_steps
+        self.ratios, self.start = [], self.trainer.parts.opt.optimizer_steps
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -229,8 +229,10 @@ def sd3_grpo(ctx: Context) -> dict:
     cfg = sd3_config(ctx)
 
     def keep_checkpoint(step, trainer):
+        from flowrl.training.loop import save_recipe
+
         if step == 1:
-            ctx.shared["sd3_checkpoint"] = str(trainer.save())
+            ctx.shared["sd3_checkpoint"] = str(save_recipe(trainer))
 
     trainer, steps = grpo_run(cfg, 2, keep_checkpoint)
     ctx.shared["sd3_weights"] = trainable(trainer)
@@ -240,7 +242,7 @@ def sd3_grpo(ctx: Context) -> dict:
 
         reward_params = sum(p.numel() for p in CLIPModel(CLIPConfig(**archs.CLIP_VIT_H14)).parameters())
     return {
-        "local_samples": trainer.local_n,
+        "local_samples": trainer.parts.local_n,
         "steps": steps,
         "peak_memory_GB": max((s["peak_memory_GB"] or 0.0) for s in steps) if ctx.cuda else None,
         "pickscore_real_params_B_on_meta": reward_params / 1e9,
@@ -251,11 +253,12 @@ def sd3_grpo(ctx: Context) -> dict:
 def sd3_resume(ctx: Context) -> dict:
     """(3) A fresh trainer resumes from section 2's step-1 checkpoint; its step-2 weights equal the straight run's."""
     from flowrl.trainers.grpo import GRPOTrainer
+    from flowrl.training.loop import resume_recipe
 
     if "sd3_checkpoint" not in ctx.shared or "sd3_weights" not in ctx.shared:
         raise RuntimeError("needs section sd3_grpo's step-1 checkpoint and step-2 weights, which it did not produce")
     trainer = GRPOTrainer(ctx.shared["sd3_cfg"])
-    trainer.resume(ctx.shared["sd3_checkpoint"])
+    resume_recipe(trainer, ctx.shared["sd3_checkpoint"])
     with FirstPass(trainer) as first:
         step = first.step()
     resumed, straight = trainable(trainer), ctx.shared["sd3_weights"]
@@ -263,13 +266,13 @@ def sd3_resume(ctx: Context) -> dict:
     diff = max((float((straight[n] - resumed[n]).abs().max()) for n in differ if n in resumed), default=0.0)
     return {
         "checkpoint": ctx.shared["sd3_checkpoint"],
-        "step_after_resume": trainer.step,
+        "step_after_resume": trainer.parts.step,
         "tensors": len(straight),
         "tensors_differing": len(differ),
         "max_abs_difference": diff,
         "bitwise_equal": not differ and len(resumed) == len(straight),
         "step": step,
-        "ok": not differ and len(resumed) == len(straight) and trainer.step == 2,
+        "ok": not differ and len(resumed) == len(straight) and trainer.parts.step == 2,
     }
 
 
@@ -302,7 +305,7 @@ def prompt_cache(ctx: Context) -> dict:
 def _one_step(ctx: Context, yaml_path: str, family: str, real: dict, tiny: dict, meta: str | None) -> dict:
     cfg = run_config(ctx, yaml_path, family, real, tiny, f"gpu_check_{family}")
     trainer, steps = grpo_run(cfg, 1)
-    out = {"local_samples": trainer.local_n, "step": steps[0], "components": _components(trainer.model)}
+    out = {"local_samples": trainer.parts.local_n, "step": steps[0], "components": _components(trainer.parts.model)}
     if meta:
         out["real_size_on_meta"] = archs.count_params(meta, ctx.tmp / "meta" / meta)
     out["ok"] = steps[0]["first_pass_ratio_exactly_1"]

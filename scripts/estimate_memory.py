@@ -77,7 +77,7 @@ FAMILIES = [
 ]  # fmt: skip
 # reward models' parameters (B), resident in the run's dtype
 REWARDS_B = {
-    "pickscore": 0.99, "hpsv2": 0.99,  # CLIP ViT-H-14 (counted on meta, COSTS.md)
+    "pickscore": 0.99, "hpsv2": 0.99,  # CLIP ViT-H-14 (counted on meta)
     "clipscore": 0.43, "aesthetic": 0.43, "image_consistency": 0.43,  # CLIP ViT-L/14 (OpenAI card: 428 M)
     "imagereward": 0.45,  # BLIP ViT-L + BERT-base (ImageReward, arXiv 2304.05977)
     "temporal_consistency": 0.15,  # open_clip ViT-B-32

@@ -31,7 +31,8 @@ import torch
 from safetensors.torch import save_file
 
 from flowrl.models.toy import MODEL_FILE, build_text_encoder, build_unet, pack, tokenize, unpack
-from flowrl.toy.manifest import MANIFEST_FILE, WEIGHTS_DIR, file_digest
+from flowrl.seeds import pretrain_eval_generator
+from flowrl.toy.manifest import WEIGHTS_DIR, file_entry, write_manifest_entry
 from flowrl.toy.world import COLOURS, ShapeSpec, random_batch, render_batch, sample_specs
 
 
@@ -111,7 +112,7 @@ def training_batch(
 
 def fixed_eval_batch(seed: int):
     """64 training-split scenes with sigmas spread over (0, 1): the loss every run reports, before and after."""
-    generator = torch.Generator().manual_seed(seed + 12345)
+    generator = pretrain_eval_generator(seed)
     images, specs = random_batch(64, "train", generator)
     x0 = images * 2 - 1
     sigma = torch.linspace(0.05, 0.95, 64)  # [64]
@@ -128,13 +129,6 @@ def eval_loss(net: torch.nn.Module, batch) -> float:
 
 def state_for_file(net: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to(torch.float16).contiguous() for k, v in net.state_dict().items()}
-
-
-def write_manifest_entry(out: Path, name: str, entry: dict) -> None:
-    path = out / MANIFEST_FILE
-    manifest = json.loads(path.read_text()) if path.is_file() else {}
-    manifest[name] = entry
-    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -185,11 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     path = out / MODEL_FILE
     save_file(state_for_file(final), str(path), metadata={"command": command, "seed": str(args.seed)})
     entry = {
-        "sha256": file_digest(path),
-        "size": path.stat().st_size,
-        "command": command,
-        "seed": args.seed,
-        "steps": args.steps,
+        **file_entry(path, command, args.seed, args.steps),
         "eval_loss_before": round(loss_before, 4),
         "eval_loss_after": round(loss_after, 4),
         "train_minutes": round(seconds / 60, 1),

@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from flowrl.seeds import judge_heldout_generator, judge_impossible_generator
 from flowrl.toy.exact import faint_items
 from flowrl.toy.judges import ARTIFACT_FILE, ATTRIBUTE_FILE, ArtifactJudge, AttributeJudge, load_judge, scene_labels
-from flowrl.toy.manifest import WEIGHTS_DIR, file_digest, write_manifest_entry
+from flowrl.toy.manifest import WEIGHTS_DIR, file_entry, write_manifest_entry
 from flowrl.toy.world import (
     COLOURS,
     CORRUPTIONS,
@@ -146,7 +147,7 @@ def attribute_loss(judge: AttributeJudge, images: torch.Tensor, labels: torch.Te
 
 @torch.no_grad()
 def evaluate_attributes(judge: AttributeJudge, num: int, seed: int) -> dict:
-    generator = torch.Generator().manual_seed(seed + 1_000_000)
+    generator = judge_heldout_generator(seed)
     result = {}
     for name, augment, faint in (("raw", False, 0.0), ("softened", True, 0.0), ("faint", True, 1.0)):
         correct, total = torch.zeros(3), 0
@@ -160,7 +161,7 @@ def evaluate_attributes(judge: AttributeJudge, num: int, seed: int) -> dict:
             total += len(labels)
         result[name] = {h: round(correct[i].item() / total, 4) for i, h in enumerate(HEADS)}
         result[name]["all_three"] = round(joint / total, 4)
-    generator = torch.Generator().manual_seed(seed + 2_000_000)
+    generator = judge_impossible_generator(seed)
     fadable = tuple(kind for kind in IMPOSSIBLE_KINDS if kind != "empty")  # an empty scene has no shape to fade
     for name, augment, kinds in (
         ("impossible_raw", False, IMPOSSIBLE_KINDS),
@@ -182,7 +183,7 @@ def evaluate_attributes(judge: AttributeJudge, num: int, seed: int) -> dict:
 @torch.no_grad()
 def evaluate_artifact(judge: ArtifactJudge, num: int, seed: int) -> dict:
     """Accuracy on clean scenes (raw and softened) and on each corruption separately."""
-    generator = torch.Generator().manual_seed(seed + 1_000_000)
+    generator = judge_heldout_generator(seed)
     images, _ = random_batch(num, "all", generator)
     sets = {"clean_raw": (images, 0.0), "clean_softened": (soften(images, generator), 0.0)}
     per_kind = max(1, num // len(CORRUPTIONS))
@@ -245,11 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
     # accuracy of the weights as stored (float16), which is what the rewards load
     stored = evaluate(load_judge(args.judge, path), args.num_eval, args.seed)
     entry = {
-        "sha256": file_digest(path),
-        "size": path.stat().st_size,
-        "command": command,
-        "seed": args.seed,
-        "steps": args.steps,
+        **file_entry(path, command, args.seed, args.steps),
         "heldout_accuracy": stored,
         "train_minutes": round((time.time() - start) / 60, 1),
         "threads": args.threads,

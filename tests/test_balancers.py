@@ -12,6 +12,7 @@ from flowrl.advantages import group_advantages, tail_advantages
 from flowrl.balancers import Balance, GD2POBalancer, GDPOBalancer, SAMRPOBalancer, TailBalancer, WeightedSumBalancer
 from flowrl.registry import BALANCERS
 from flowrl.training.scoring import Scores, balance
+from flowrl.types import Balancer, GradientBalancer
 
 NAN = float("nan")
 
@@ -216,6 +217,18 @@ def _build(name):
 def _without(scores, groups, i):
     rows = [j for j in range(groups.numel()) if j != i]
     return {k: v[rows] for k, v in scores.items()}, groups[rows], rows
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_contract_protocol_members_are_declared(name):
+    balancer = _build(name)
+    gradients = "reward_gradients" in balancer.needs()
+    protocol = GradientBalancer if gradients else Balancer
+    members = {m for cls in protocol.__mro__ for m in vars(cls).get("__annotations__", {})}
+    members |= {"needs", "__call__"}
+    missing = sorted(m for m in members if not hasattr(balancer, m))
+    assert not missing, f"balancer {name} lacks {missing} of flowrl.types.{protocol.__name__}"
+    assert isinstance(balancer.needs(), frozenset) and isinstance(type(balancer).recipe_variants, dict)
 
 
 @pytest.mark.parametrize("name", NAMES)

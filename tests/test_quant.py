@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from flowrl.quant import (
-    E2M1_VALUES,
     fake_quant_fp8,
     fake_quant_mxfp4,
     fake_quant_nvfp4,
@@ -16,8 +15,10 @@ from flowrl.quant import (
     round_e4m3,
 )
 
-
 # ------------------------------------------------------------------ the second implementation
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # every E2M1 magnitude (0.5 is the only subnormal)
+
+
 def e4m3_values() -> list[float]:
     """Every finite non-negative e4m3fn value from its bit fields (exponent bias 7, 3 mantissa bits; S.1111.111 is NaN)."""
     out = []

@@ -1,9 +1,9 @@
-"""`perf/...` timings synchronise the device on CUDA (flowrl.training.runs.timed), never on the CPU."""
+"""`perf/...` timings synchronise the device on CUDA (flowrl.training.clock.timed), never on the CPU."""
 
 import pytest
 import torch
 
-from flowrl.training.loop import timed
+from flowrl.training.clock import timed
 
 
 @pytest.mark.parametrize(("device", "expected"), [("cuda", 2), ("cuda:1", 2), ("cpu", 0), (torch.device("meta"), 0)])

@@ -1,7 +1,8 @@
-"""MARBLE (arXiv 2605.06507): multi-reward gradient balancing (docs/math.md#marble-balance-the-per-reward-gradients-marble).
+"""marble: MARBLE (arXiv 2605.06507), multi-reward gradient balancing (docs/math.md#marble-balance-the-per-reward-gradients-marble).
 
-The pure math; the gradient plumbing a recipe calls with a loss closure is flowrl/training/reward_gradients.py
-(MARBLE needs per-reward losses from stage 6, so it is a balancer that the trainer calls with a loss closure).
+The balancer (`MarbleBalancer`: per-reward advantages) and its pure math; the gradient plumbing a recipe calls with a
+loss closure is flowrl/training/reward_gradients.py (MARBLE needs per-reward losses from stage 6, so it is a balancer
+that the trainer calls with a loss closure).
 
     alpha = min_norm_weights(gram)                  # argmin_{α ∈ simplex} αᵀ M α, exact (active-set enumeration)
     out = harmonize(grads)                          # grads [K, P] -> α, d_final = n̄ · Σ α_k ĝ_k, cosines
@@ -21,8 +22,14 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+
+from flowrl.advantages import group_advantages
+from flowrl.balancers._common import all_true, check_common, decoupled_metrics, fail, no_signal, stack
+from flowrl.registry import BALANCERS
+from flowrl.types import Balance
 
 MAX_REWARDS = 12
 PARETO_STATIONARY = 1e-9  # ||d*|| of unit gradients at or below this: the batch is Pareto-stationary, no update
@@ -116,3 +123,63 @@ def clamp_active(per_reward: torch.Tensor, alpha: torch.Tensor, adv_clip_max: fl
     there and the single backward on Σ α_k A_k is not the combination of the per-reward gradients. per_reward [K, M]."""
     combined = (alpha.to(per_reward.dtype)[:, None] * per_reward).sum(0)
     return bool((per_reward.abs() >= adv_clip_max).any() or (combined.abs() >= adv_clip_max).any())
+
+
+MARBLE_FORMS = ("full", "amortized")
+
+
+@BALANCERS.register("marble")
+@dataclass
+class MarbleBalancer:
+    """MARBLE (arXiv 2605.06507): one advantage row per reward, A_k = z-score of r_k per prompt group; the trainer
+    balances the K per-reward gradients (`needs()` holds "reward_gradients": flowrl/training/reward_gradients.py with
+    the math above), so `advantages` here is only Σ_k ᾱ_k A_k with the α the trainer holds (uniform until it learns
+    one). Weights do not act: each gradient is normalized before the QP."""
+
+    recipe_variants: ClassVar[dict[str, dict]] = {"full": {"form": "full"}, "amortized": {"form": "amortized"}}
+
+    form: str = "amortized"
+    """'full': K backward passes per optimizer step, α from the min-norm QP every step; 'amortized' (NFT only): α
+    refreshed every `refresh_every` optimizer steps, EMA-smoothed, one backward on Σ ᾱ_k A_k in between."""
+    std: str = "group"
+    """'group' (per-prompt std, MARBLE's tracker) or 'global' (the batch std of each reward)."""
+    eps: float = 1e-4
+    """Added to each reward's std."""
+    use_unbiased_std: bool = False
+    """Divide the variance by n − 1 instead of n."""
+    refresh_every: int = 10
+    """N of the amortized form: the full QP every N optimizer steps (10 in the paper; 20 degrades)."""
+    alpha_ema: float = 0.7
+    """ρ of ᾱ_t = ρ·ᾱ_{t−1} + (1 − ρ)·α*_t (0.7 best of {0.1, 0.3, 0.5, 0.7, 0.9})."""
+
+    def __post_init__(self):
+        if self.form not in MARBLE_FORMS:
+            fail("marble", "form", self.form, "must be 'full' (QP every step) or 'amortized' (QP every refresh_every steps)")
+        if self.std not in ("global", "group"):
+            fail("marble", "std", self.std, "must be 'group' (per-prompt std) or 'global' (batch std)")
+        check_common(self, "marble")
+        if not (isinstance(self.refresh_every, int) and self.refresh_every >= 1):
+            fail("marble", "refresh_every", self.refresh_every, "must be an integer >= 1 (10 in the paper)")
+        if not 0 <= self.alpha_ema < 1:
+            fail("marble", "alpha_ema", self.alpha_ema, "must be in [0, 1) (0.7 in the paper)")
+        self.alpha: torch.Tensor | None = None  # ᾱ [K], set by the trainer's gradient balancing
+
+    def needs(self) -> frozenset[str]:
+        """The trainer balances the per-reward gradients of per-sample advantages; the amortized form's one backward
+        on Σ ᾱ_k A_k stands for Σ ᾱ_k ∇ℓ(A_k) only where the loss's gradient is affine in the advantage."""
+        base = {"reward_gradients", "per_sample_advantages"}
+        return frozenset(base | ({"affine_loss"} if self.form == "amortized" else set()))
+
+    def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:
+        stacked = stack(scores)
+        per_reward = torch.stack(
+            [
+                group_advantages(r, group_ids, std=self.std, eps=self.eps, unbiased=self.use_unbiased_std, clip=None)
+                for r in stacked
+            ]
+        )
+        k = per_reward.shape[0]
+        alpha = self.alpha if self.alpha is not None else torch.full((k,), 1.0 / k)
+        advantages = (alpha.float()[:, None] * per_reward).sum(0)
+        metrics = decoupled_metrics(list(scores), stacked, group_ids, no_signal(stacked, group_ids))
+        return Balance(advantages, all_true(advantages.numel()), per_reward, metrics)

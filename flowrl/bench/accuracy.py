@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from flowrl.seeds import split_seeds
 from flowrl.toy.world import parse_prompt, split_prompts
 
 HEADS = ("count", "colour", "shape")
@@ -86,7 +87,7 @@ def split_accuracy(model, judge, split: str, num_per_prompt: int, num_steps: int
     metrics, and the exact checker's under `exact`."""
     base = split_prompts(split)
     prompts = [p for p in base for _ in range(num_per_prompt)]
-    seeds = [seed * 1_000_000 + i * 1000 + k for i in range(len(base)) for k in range(num_per_prompt)]
+    seeds = split_seeds(seed, len(base), num_per_prompt)
     images = sample_images(model, prompts, seeds, num_steps, guidance_scale)
     return {**judge_accuracy(judge, images, prompts), "exact": exact_accuracy(images, prompts)}, images, prompts
 

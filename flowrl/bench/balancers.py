@@ -50,11 +50,12 @@ def heldout_rewards(model, num_seeds: int, num_steps: int, guidance_scale: float
     rewards."""
     from flowrl.bench.accuracy import exact_accuracy, sample_images
     from flowrl.registry import REWARDS as REGISTRY
+    from flowrl.seeds import heldout_seeds
     from flowrl.toy.world import split_prompts
 
     base = split_prompts("heldout")
     prompts = [p for p in base for _ in range(num_seeds)]
-    seeds = [10_000 + i * 100 + k for i in range(len(base)) for k in range(num_seeds)]
+    seeds = heldout_seeds(len(base), num_seeds)
     images = sample_images(model, prompts, seeds, num_steps, guidance_scale)
     meta = [{} for _ in prompts]
     return {
@@ -105,11 +106,11 @@ def _trainer(stem: str, extra: list[str], root: str, name: str, seed: int, overr
 def _measure(trainer, num_seeds: int, eval_steps: int | None, step: int | None) -> dict[str, float]:
     import torch
 
-    weights, _ = trainer.evaluation.weights(step)  # the base at None, else what the recipe evaluates
+    weights, _ = trainer.parts.evaluation.weights(step)  # the base at None, else what the recipe evaluates
     with torch.random.fork_rng(), weights:
-        trainer.model.transformer.eval()
-        cfg = trainer.cfg
-        return heldout_rewards(trainer.model, num_seeds, eval_steps or cfg.eval.num_steps, cfg.eval.guidance_scale)
+        trainer.parts.model.transformer.eval()
+        cfg = trainer.parts.cfg
+        return heldout_rewards(trainer.parts.model, num_seeds, eval_steps or cfg.eval.num_steps, cfg.eval.guidance_scale)
 
 
 def _run(name: str, stem: str, extra: list[str], seed: int, overrides: list[str], num_seeds: int, eval_steps) -> dict:
@@ -120,15 +121,15 @@ def _run(name: str, stem: str, extra: list[str], seed: int, overrides: list[str]
         try:
             base = _measure(trainer, num_seeds, eval_steps, None)
             step_s, opposed = [], []
-            for _ in range(trainer.cfg.num_steps):
+            for _ in range(trainer.parts.cfg.num_steps):
                 tic = time.perf_counter()
                 metrics = trainer.train_step()
                 step_s.append(time.perf_counter() - tic - metrics.get("perf/reward_gradients_probe_s", 0.0))
                 if "marble/opposed" in metrics:
                     opposed.append(metrics["marble/opposed"])
-            final = _measure(trainer, num_seeds, eval_steps, trainer.step)
+            final = _measure(trainer, num_seeds, eval_steps, trainer.parts.step)
         finally:
-            trainer.scorer.close()
+            trainer.parts.scorer.close()
     return {
         "delta": {r: round(final[r] - base[r], 5) for r in REWARDS},
         "base": base,
@@ -157,7 +158,7 @@ def side_by_side(overrides: list[str], num_steps: int) -> dict[str, float]:
                     seconds[name].append(time.perf_counter() - tic)
         finally:
             for trainer in trainers.values():
-                trainer.scorer.close()
+                trainer.parts.scorer.close()
     return {name: statistics.median(s) for name, s in seconds.items()}
 
 

@@ -83,9 +83,9 @@ def _world(name: str, folder: Path, num_prompts: int):
 
 
 def _pools(sampler, prompts: list[str]) -> list[torch.Tensor]:
-    from flowrl.seeds import pool_generator, pool_seeds
+    from flowrl.seeds import bench_group_seed, pool_generator, pool_seeds
 
-    return [pool_seeds(pool_generator(1000 + i), sampler.pool_size) for i in range(len(prompts))]
+    return [pool_seeds(pool_generator(bench_group_seed(i)), sampler.pool_size) for i in range(len(prompts))]
 
 
 def _full(model, sampler, prompts, pools, score_fn) -> tuple[list[torch.Tensor], float]:

@@ -43,6 +43,7 @@ def bench_report(repeats: int = 1, num_prompts: int = 100, num_seeds: int = 8, n
     from PIL import Image
 
     from flowrl.report import build_report
+    from flowrl.training.runs import step_dir_name
 
     rng = np.random.default_rng(0)
     rewards = {"train": ["toy_attributes"], "gold": ["toy_artifact", "jpeg_compressibility"]}
@@ -70,7 +71,7 @@ def bench_report(repeats: int = 1, num_prompts: int = 100, num_seeds: int = 8, n
                     + "\n"
                 )
         for step in steps:
-            folder = run / "eval" / ("base" if step == 0 else f"step_{step:06d}")
+            folder = run / "eval" / step_dir_name(step or None)
             folder.mkdir(parents=True)
             if step:
                 (run / "checkpoints" / folder.name).mkdir()
@@ -384,12 +385,12 @@ def bench_train(repeats: int = 3, overrides: list[str] | None = None) -> dict:
     rollout = sum(m["perf/rollout_s"] for m in steps)
     reward = sum(m["perf/reward_s"] for m in steps)
     optimise = sum(m["perf/optimise_s"] for m in steps)
-    samples = trainer.local_n * len(steps)
+    samples = trainer.parts.local_n * len(steps)
     return {
         "settings": {
             "config": str(CONFIG),
             "steps": repeats,
-            "samples_per_step": trainer.local_n,
+            "samples_per_step": trainer.parts.local_n,
             "threads": torch.get_num_threads(),
             "sampler_steps": cfg.sampler.kwargs.get("num_steps"),
         },

@@ -122,12 +122,12 @@ def _run_recipe(
         fixed += ["logging.progress_bar=false", "checkpoint.every_n_steps=0", "eval.every_n_steps=0"]
         cfg = load_config(TOY_CONFIGS / f"{recipe}.yaml", [*fixed, *overrides])
         trainer = build_trainer(cfg)
-        model, judge = trainer.model, judge_checkpoint(cfg)
+        model, judge = trainer.parts.model, judge_checkpoint(cfg)
         every = every or max(1, cfg.num_steps // 10)
         steps = eval_steps or cfg.eval.num_steps
 
         def measure(step: int, seconds: float) -> dict:
-            weights, _ = trainer.evaluation.weights(step or None)  # the base at 0, else what the recipe evaluates
+            weights, _ = trainer.parts.evaluation.weights(step or None)  # the base at 0, else what the recipe evaluates
             with torch.random.fork_rng(), weights:  # training never depends on how often it is measured
                 model.transformer.eval()
                 scores = heldout_scores(model, num_seeds, steps, cfg.eval.guidance_scale, judge)
@@ -156,7 +156,7 @@ def _run_recipe(
             if bar is not None:
                 bar.close()
             if getattr(trainer, "scorer", None) is not None:  # adjoint matching scores inside its step
-                trainer.scorer.close()
+                trainer.parts.scorer.close()
     return {
         "curve": curve,
         "final_judge_accuracy": final["judge_accuracy"],

@@ -1,6 +1,9 @@
 """TAGRPO's trajectory alignment for image-to-video GRPO: intermediate latents pulled toward better group members'
 and pushed from worse ones', with a memory bank of past rollouts of the same start (docs/recipes/tagrpo.md).
 
+Experimental: on the toy image-to-video world it collapses on every seed (the race's `--baseline grpo_i2v` rows,
+docs/recipes/tagrpo.md), so it is kept runnable and tested, not recommended.
+
 The paper (arXiv 2601.05729) is known here from its abstract only: the loss below is a reconstruction, behind
 `train.tagrpo.enabled` in the GRPO recipe. For a trained transition k of sample i (latent z_k^i, the policy's
 Gaussian step mean μ_θ(z_k^i) and std s_k), against the next latents z_{k+1}^j of the other members j of its group
@@ -197,6 +200,7 @@ class Alignment:
 
     def __init__(self, cfg: TAGRPOConfig, bank: MemoryBank):
         self.cfg, self.bank = cfg, bank
+        self.log: dict[str, list[torch.Tensor]] = {k: [] for k in ("loss", "attract", "repel", "bank_partners")}
 
     def prepare(self, rollout, rewards: torch.Tensor, usable: torch.Tensor, keys: list[str], step: int) -> None:
         """rewards [N] (the combined training reward, NaN where failed), usable [N] bool; keys [N] start keys."""
@@ -259,3 +263,32 @@ class Alignment:
             for step_k in steps:
                 z = self.rollout.states(torch.tensor([i], device=device), step_k + 1)[0]
                 self.bank.add(self.keys[i], step_k, z, float(self.rewards[i]), float(self.u[i]), self.step)
+
+    def regulariser(self, rule, v, x, x_next, sigma, sigma_next, level, scale, index, k) -> torch.Tensor:
+        """coef · L [b] of the transitions k of rows `index` (the policy's step mean from velocity v), logged."""
+        cfg = self.cfg
+        _, _, mean, std = rule.step(v, x, sigma, sigma_next, level, prev_sample=x_next, std_scale=scale)
+        z_pos, has_pos, z_neg, has_neg, partners = self.targets(index, k)
+        loss, d_pos, d_neg = alignment_loss(mean, std, z_pos, has_pos, z_neg, has_neg, cfg.repel, cfg.repel_clip, cfg.distance)
+        self.log["loss"].append(loss.detach().mean())
+        self.log["attract"].append(d_pos[has_pos].mean() if has_pos.any() else d_pos.new_zeros(()))
+        self.log["repel"].append(d_neg[has_neg].mean() if has_neg.any() else d_neg.new_zeros(()))
+        self.log["bank_partners"].append(partners.mean())
+        return cfg.coef * loss
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"train/tagrpo_{k}": float(torch.stack(v).mean()) for k, v in self.log.items() if v}
+        return out | {"train/tagrpo_bank_entries": float(len(self.bank))}
+
+
+BANK_GROUP = "tagrpo_bank"  # the checkpoint file of the memory bank (<group>.safetensors)
+
+
+def step_alignment(cfg: TAGRPOConfig, bank: MemoryBank, rollout, batch, combined: torch.Tensor, usable, step: int):
+    """TAGRPO's targets for one step: the combined training reward of every local sample (whole groups, NaN where no
+    reward applies), its start key (prompt, source image, shared initial-noise seed) and the bank."""
+    latent_seeds = batch.group_seeds if batch.group_seeds is not None else batch.seeds
+    keys = [start_key(p, m, s) for p, m, s in zip(batch.prompts, batch.metadata, latent_seeds.tolist())]
+    alignment = Alignment(cfg, bank)
+    alignment.prepare(rollout, combined, usable, keys, step)
+    return alignment

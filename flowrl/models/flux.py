@@ -16,7 +16,6 @@ from flowrl.types import Cond
 
 class FluxFlowModel(PackedLatentsMixin, PipelineFlowModel):
     family = "flux"
-    pipeline_classes = ("FluxPipeline",)
     max_sequence_length = 512  # the pipeline's default
     default_guidance_scale = 3.5
     lora_target_modules = JOINT_ATTENTION_TARGETS

@@ -20,7 +20,6 @@ from flowrl.types import Cond
 
 class Flux2FlowModel(PackedLatentsMixin, PipelineFlowModel):
     family = "flux2"
-    pipeline_classes = ("Flux2Pipeline", "Flux2KleinPipeline")
     max_sequence_length = 512  # both pipelines' default
     default_guidance_scale = 4.0  # both pipelines' default
     # the double-stream attention and the single-stream blocks' fused QKV + MLP input projection

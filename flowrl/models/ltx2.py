@@ -40,7 +40,6 @@ def rescale_guidance(guided: torch.Tensor, conditional: torch.Tensor, rescale: f
 class LTX2FlowModel(PipelineFlowModel):
     family = "ltx2"
     is_video = True
-    pipeline_classes = ("LTX2Pipeline",)
     max_sequence_length = 1024  # the pipeline's default
     default_guidance_scale = 3.0  # the pipeline's default (video CFG)
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")  # every attention of the joint transformer

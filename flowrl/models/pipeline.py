@@ -25,7 +25,6 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
 
     family: str = ""
     is_video: bool = False
-    pipeline_classes: tuple[str, ...] = ()  # diffusers pipeline class names this adapter accepts
     default_guidance_scale: float = 1.0
     max_sequence_length: int = 512  # text tokens per prompt; each family states its pipeline's default
     conditioning: str | None = None  # "image": edit / image-to-video families take a source image per sample

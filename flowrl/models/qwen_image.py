@@ -21,7 +21,6 @@ from flowrl.types import Cond
 
 class QwenImageFlowModel(PackedLatentsMixin, PipelineFlowModel):
     family = "qwen_image"
-    pipeline_classes = ("QwenImagePipeline",)
     max_sequence_length = 512  # the pipeline's default
     default_guidance_scale = 4.0  # the pipeline's true_cfg_scale default
     lora_target_modules = JOINT_ATTENTION_TARGETS

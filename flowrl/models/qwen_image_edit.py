@@ -21,7 +21,6 @@ from flowrl.types import Cond
 
 class QwenImageEditFlowModel(QwenImageFlowModel):
     family = "qwen_image_edit"
-    pipeline_classes = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
     conditioning = "image"
     max_sequence_length = 1024  # the prompt holds the source image's tokens: padded further than Qwen-Image's 512
 

@@ -16,7 +16,6 @@ from flowrl.types import Cond
 
 class SanaFlowModel(PipelineFlowModel):
     family = "sana"
-    pipeline_classes = ("SanaPipeline",)
     max_sequence_length = 300  # the pipeline's default
     default_guidance_scale = 4.5
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")

@@ -11,7 +11,6 @@ from flowrl.types import Cond
 
 class SD3FlowModel(PipelineFlowModel):
     family = "sd3"
-    pipeline_classes = ("StableDiffusion3Pipeline",)
     max_sequence_length = 256  # the pipeline's default
     default_guidance_scale = 4.5
     lora_target_modules = JOINT_ATTENTION_TARGETS

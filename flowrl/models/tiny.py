@@ -19,11 +19,9 @@ from flowrl.models.tiny_ltx2 import build_ltx2
 from flowrl.models.tiny_qwen import build_qwen_image, build_qwen_image_edit
 from flowrl.models.tiny_tokenizers import QWEN3_CHAT_TEMPLATE, clip_tokenizer, gemma_tokenizer, qwen2_tokenizer, t5_tokenizer
 
+# the families the shared model tests run on; those conditioned on a source image per sample (qwen_image_edit,
+# qwen_image_edit_plus, wan_i2v) and the joint video + audio one (ltx2) have tests of their own
 FAMILIES = ("sd3", "flux", "sana", "wan", "wan22_a14b", "wan22_ti2v", "qwen_image", "flux2_klein", "flux2_dev", "z_image")
-# families conditioned on a source image per sample (edit, image-to-video): their own tests hand every sample one
-CONDITIONED_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus", "wan_i2v")
-# joint video + audio families: their state is not the pipeline's latent tensor, so they have their own tests
-JOINT_AUDIO_FAMILIES = ("ltx2",)
 
 
 def _clip_text_config():
@@ -397,30 +395,36 @@ def build_flux2_dev(folder: Path) -> Path:
     return folder
 
 
-def build_flux2_klein(folder: Path) -> Path:
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _tiny_qwen3_text(model_class, num_hidden_layers: int):
+    """(tokenizer, text encoder): the character-level tokenizer with Qwen3's chat template and a 16-wide Qwen3
+    `model_class` (Qwen3Model or Qwen3ForCausalLM) of `num_hidden_layers` layers, from the global RNG."""
+    from transformers import Qwen3Config
 
-    torch.manual_seed(0)
     tokenizer = qwen2_tokenizer(max_length=512)
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     pad, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
-    # 28 layers: the pipeline stacks hidden states 9, 18 and 27
-    text_encoder = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=16,
-            intermediate_size=16,
-            num_hidden_layers=28,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=1024,
-            bos_token_id=pad,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=1024,
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
     )
+    return tokenizer, model_class(config)
+
+
+def build_flux2_klein(folder: Path) -> Path:
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer, text_encoder = _tiny_qwen3_text(Qwen3ForCausalLM, 28)  # the pipeline stacks hidden states 9, 18 and 27
     vae, transformer = _tiny_flux2_parts(guidance_embeds=False)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
     pipe = Flux2KleinPipeline(
@@ -432,27 +436,10 @@ def build_flux2_klein(folder: Path) -> Path:
 
 def build_z_image(folder: Path) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-    from transformers import Qwen3Config, Qwen3Model
+    from transformers import Qwen3Model
 
     torch.manual_seed(0)
-    tokenizer = qwen2_tokenizer(max_length=512)
-    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
-    pad, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
-    text_encoder = Qwen3Model(
-        Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=16,
-            intermediate_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=1024,
-            bos_token_id=pad,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )
-    )
+    tokenizer, text_encoder = _tiny_qwen3_text(Qwen3Model, 2)
     transformer = ZImageTransformer2DModel(
         all_patch_size=(2,),
         all_f_patch_size=(1,),

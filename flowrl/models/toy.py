@@ -29,7 +29,7 @@ import torch
 from flowrl.models.lora import LoRAMixin
 from flowrl.models.precision import AutocastMixin
 from flowrl.sde import scheduler_sigmas
-from flowrl.toy.manifest import verified_weights
+from flowrl.toy.manifest import weights_or_checkpoint
 from flowrl.toy.world import COLOURS, COUNTS, IMAGE_SIZE, SHAPES, parse_prompt
 from flowrl.types import Cond
 
@@ -297,12 +297,5 @@ def load_toy_model(
     `source_weight` > 0 makes it the toy image-to-video model (`ToyFlowModel.velocity`)."""
     from safetensors.torch import load_file
 
-    if checkpoint is None:
-        path = verified_weights(MODEL_FILE)
-    else:
-        path = Path(checkpoint)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"toy checkpoint={str(path)!r} does not exist; pass a file written by scripts/pretrain_toy.py"
-            )
+    path = weights_or_checkpoint(MODEL_FILE, checkpoint)
     return toy_model_from_state_dict(load_file(str(path)), device=device, dtype=dtype, source_weight=source_weight)

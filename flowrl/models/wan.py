@@ -21,7 +21,6 @@ from flowrl.types import Cond
 class WanFlowModel(PipelineFlowModel):
     family = "wan"
     is_video = True
-    pipeline_classes = ("WanPipeline",)
     max_sequence_length = 512  # the pipeline's default
     default_guidance_scale = 5.0
     lora_target_modules = (

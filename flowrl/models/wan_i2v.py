@@ -21,7 +21,6 @@ from flowrl.types import Cond
 
 class WanI2VFlowModel(WanFlowModel):
     family = "wan_i2v"
-    pipeline_classes = ("WanImageToVideoPipeline",)
     conditioning = "image"
 
     def __init__(self, pipe, device="cpu", dtype=torch.float32, train_expert: str = "high"):

@@ -19,7 +19,6 @@ from flowrl.types import Cond
 
 class ZImageFlowModel(PipelineFlowModel):
     family = "z_image"
-    pipeline_classes = ("ZImagePipeline",)
     max_sequence_length = 512  # the pipeline's default
     default_guidance_scale = 5.0  # the pipeline's default (Turbo checkpoints are run with 0)
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")

@@ -31,7 +31,7 @@ from flowrl.report.curves import curves_png
 from flowrl.report.grid import GlyphPainter, caption_lines, display_height, fmt, fmt_delta, render_grid
 from flowrl.report.hacking import check_pairs, hacking_png, hacking_rows, paired_gains
 from flowrl.report.page import CSS, PACKAGES, data_uri, environment
-from flowrl.report.runs import DIVERSITY, STEP_DIR, EvalRecord, RunRecord, load_run, read_metrics
+from flowrl.report.runs import DIVERSITY, EvalRecord, RunRecord, load_run, read_metrics
 from flowrl.report.scores import read_scores, scores_problem
 from flowrl.report.writer import build_report, write_report
 
@@ -39,7 +39,6 @@ __all__ = [
     "CSS",
     "DIVERSITY",
     "PACKAGES",
-    "STEP_DIR",
     "EvalRecord",
     "GlyphPainter",
     "RunRecord",

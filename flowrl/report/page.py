@@ -189,15 +189,9 @@ def samples_section(run: RunRecord, blocks: list[EvalRecord], thumb: int) -> str
 def environment() -> dict[str, str]:
     """Package versions, Python and platform of the machine building the report (torch is not imported for it;
     the device each evaluation ran on is in its scores.json)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from flowrl.environment import package_versions
 
-    env = {"python": sys.version.split()[0], "platform": platform.platform()}
-    for package in PACKAGES:
-        try:
-            env[package] = version(package)
-        except PackageNotFoundError:
-            env[package] = "not installed"
-    return env
+    return {"python": sys.version.split()[0], "platform": platform.platform(), **package_versions(PACKAGES)}
 
 
 def eval_environments(run: RunRecord) -> str:

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flowrl.report.scores import read_scores
+from flowrl.training.runs import step_of
 
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
 DIVERSITY = "diversity"  # the pseudo-reward name of per-prompt diversity in tables and the hacking panel
 
 
@@ -156,7 +155,7 @@ def load_run(run_dir: str | os.PathLike) -> RunRecord:
         run.gaps.append("metrics.jsonl is missing: no reward or KL curves")
     checkpoints = path / "checkpoints"
     if checkpoints.is_dir():
-        run.checkpoints = sorted(int(m.group(1)) for d in checkpoints.iterdir() if d.is_dir() and (m := STEP_DIR.match(d.name)))
+        run.checkpoints = sorted(step for d in checkpoints.iterdir() if d.is_dir() and (step := step_of(d.name)) is not None)
     else:
         run.gaps.append("checkpoints/ is missing: no checkpoint of this run can be reloaded")
     _load_evals(run)
@@ -171,8 +170,8 @@ def load_run(run_dir: str | os.PathLike) -> RunRecord:
 
 def _load_evals(run: RunRecord) -> None:
     for folder in sorted((run.path / "eval").iterdir()):
-        match = STEP_DIR.match(folder.name)
-        if not folder.is_dir() or (folder.name != "base" and not match):
+        step = 0 if folder.name == "base" else step_of(folder.name)
+        if not folder.is_dir() or step is None:
             continue
         scores_path = folder / "scores.json"
         if not scores_path.is_file():  # the evaluator writes scores.json last: a crash during an eval
@@ -180,7 +179,6 @@ def _load_evals(run: RunRecord) -> None:
             continue
         checkpoint = "base" if folder.name == "base" else str(run.path / "checkpoints" / folder.name)
         scores = read_scores(scores_path, checkpoint)
-        step = 0 if folder.name == "base" else int(match.group(1))
         record = EvalRecord(folder.name, step, folder, scores)
         for sample in scores["samples"]:
             for key in ("image", "animation"):
@@ -188,7 +186,7 @@ def _load_evals(run: RunRecord) -> None:
                     run.gaps.append(
                         f"eval/{folder.name}/{sample[key]} is missing (prompt {sample['prompt_index']}, seed {sample['seed']})"
                     )
-        if match and step not in run.checkpoints and (run.path / "checkpoints").is_dir():
+        if folder.name != "base" and step not in run.checkpoints and (run.path / "checkpoints").is_dir():
             run.gaps.append(
                 f"checkpoints/{folder.name}/ is missing: eval {folder.name} is shown but its weights cannot be reloaded"
             )

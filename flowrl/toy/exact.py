@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.toy.world import BACKGROUND_RGB, COLOUR_RGB, COLOURS, FAINT_SCALE, FAINT_STRENGTH, IMAGE_SIZE, SHAPES, render_items
+from flowrl.toy.world import BACKGROUND_RGB, COLOUR_RGB, COLOURS, FAINT_SCALE, FAINT_STRENGTH, IMAGE_SIZE, render_items
 
 MIN_AREA = 6  # pixels; the smallest shape the world draws covers about 20
 COVERAGE_THRESHOLD = 0.5
@@ -119,11 +119,6 @@ def find_blobs(images: torch.Tensor) -> list[list[Blob]]:
             blobs.append(Blob(COLOURS[k], classify_shape(fill, drop), area, box, round(fill, 4), round(drop, 4)))
         found.append(sorted(blobs, key=lambda b: (b.box[0], b.box[1])))
     return found
-
-
-def shapes_of(blobs: list[Blob]) -> tuple[str, ...]:
-    """The distinct shapes of a scene's blobs, in the world's order."""
-    return tuple(s for s in SHAPES if any(b.shape == s for b in blobs))
 
 
 def faint_items(

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flowrl.toy.manifest import verified_weights
+from flowrl.toy.manifest import weights_or_checkpoint
 from flowrl.toy.world import COLOURS, COUNTS, IMAGE_SIZE, SHAPES
 
 ATTRIBUTE_FILE = "toy_attributes.safetensors"
@@ -120,14 +120,7 @@ def load_judge(kind: str, checkpoint: str | Path | None = None, device="cpu", dt
     if kind not in classes:
         raise ValueError(f"judge kind={kind!r} is unknown; use 'attributes' or 'artifact'")
     cls, name = classes[kind]
-    if checkpoint is None:
-        path = verified_weights(name)
-    else:
-        path = Path(checkpoint)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"checkpoint={str(path)!r} does not exist; pass a file written by scripts/train_toy_judges.py"
-            )
+    path = weights_or_checkpoint(name, checkpoint)
     state = {k: v.float() for k, v in load_file(str(path)).items()}
     judge = cls() if kind == "artifact" else AttributeJudge(other_class=_has_other_class(state, path))
     judge.load_state_dict(state)

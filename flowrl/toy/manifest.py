@@ -1,8 +1,9 @@
 """The shipped toy weights and their manifest: where they live, how each file is checked, which script rebuilds it.
 
 `flowrl/toy/weights/manifest.json` maps each weight file to its sha256, size, the command and seed that made it and
-what it measured. Loaders call `verified_weights(name)` so a missing or altered file fails with the rebuild command;
-the training scripts call `write_manifest_entry` after saving.
+what it measured. Loaders call `weights_or_checkpoint(name, checkpoint)` (`verified_weights(name)` for the shipped
+file) so a missing or altered file fails with the rebuild command; the training scripts call `write_manifest_entry`
+after saving.
 """
 
 from __future__ import annotations
@@ -44,6 +45,25 @@ def verified_weights(name: str, weights_dir: Path | None = None) -> Path:
             f"rebuild them with `python {script}`"
         )
     return path
+
+
+def weights_or_checkpoint(name: str, checkpoint: str | Path | None = None) -> Path:
+    """The shipped weight file `name` (checked, `verified_weights`), or the file `checkpoint` names, which must exist
+    (one written by the script that rebuilds `name`)."""
+    if checkpoint is None:
+        return verified_weights(name)
+    path = Path(checkpoint)
+    if not path.is_file():
+        script = REBUILD_SCRIPT.get(name, "the script named in manifest.json")
+        raise FileNotFoundError(f"toy checkpoint={str(path)!r} does not exist; pass a file written by {script}")
+    return path
+
+
+def file_entry(path: Path, command: str, seed: int, steps: int) -> dict:
+    """The fields every manifest entry starts with: the file's sha256 and size, and the command, seed and steps that
+    made it (the script adds what it measured)."""
+    path = Path(path)
+    return {"sha256": file_digest(path), "size": path.stat().st_size, "command": command, "seed": seed, "steps": steps}
 
 
 def write_manifest_entry(out: Path, name: str, entry: dict) -> None:

@@ -1,4 +1,4 @@
-"""Trainers: one recipe per file, composed from the shared components (DESIGN.md principle 1).
+"""Trainers: one recipe per file, written on the kit (flowrl/trainers/kit.py) over the shared components.
 
 `TRAINERS` maps a run config's `trainer:` key to its recipe class; each recipe class names its config
 dataclass (`config_class`), which fills the config's `train:` section. `flowrl train`, `flowrl demo`,

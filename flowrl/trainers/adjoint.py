@@ -22,27 +22,22 @@ Stages 3-6 are adjoint matching's own; prompts, rollout, optimizer, checkpoints 
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+import flowrl.trainers.kit as kit
 from flowrl.config import RunConfig
 from flowrl.losses import adjoint_matching_loss
-from flowrl.models import build_policy
-from flowrl.registry import REWARDS, SAMPLERS
+from flowrl.registry import REWARDS
 from flowrl.sde_memoryless import adjoint_residual, lean_adjoint
-from flowrl.seeds import step_generator
-from flowrl.sigma_range import check_trainable, trainable_steps
-from flowrl.trainers.kit import rollout_carries
-from flowrl.training.checkpoint import resume_recipe, save_recipe
-from flowrl.training.distributed import Sharding, make_accelerator
-from flowrl.training.evaluation import TrainingEvaluation
-from flowrl.training.loop import step_metrics, timed, train_loop
-from flowrl.training.optim import EMA, OptimizerConfig, OptimizerStep
-from flowrl.training.prompts import step_batches
-from flowrl.training.runs import RunFolder
-from flowrl.training.scoring import build_rewards
+from flowrl.seeds import adjoint_order_generator, step_generator
+from flowrl.sigma_range import trainable_steps
+from flowrl.training.clock import timed
+from flowrl.training.distributed import make_accelerator
+from flowrl.training.loop import step_metrics, train_loop
+from flowrl.training.optim import OptimizerConfig
 from flowrl.types import Rollout, select_cond
 
 MEMORYLESS_SAMPLER = "sampler: {name: sde, kind: flow_grpo, noise_level: 1.4142135623730951, sigma_schedule: dance, sigma_shift: 1.0, sigma_max: 0.975}"
@@ -81,7 +76,7 @@ def loss_times(
 
 
 def not_differentiable(names: list[str]) -> str:
-    usable = sorted(n for n in REWARDS.names() if getattr(REWARDS.get(n), "differentiable", False))
+    usable = sorted(n for n in REWARDS.names() if REWARDS.get(n).differentiable)
     return (
         f"trainer: adjoint_matching needs differentiable rewards; {', '.join(names)} is not: use one of "
         f"{', '.join(usable)} (or trainer: ram, which needs no reward gradient)"
@@ -96,7 +91,7 @@ class AdjointMatchingTrainer:
         """None where sampler `sampler` feeds this recipe through balancer `balancer` (ComponentConfig each) and
         `rewards` (RewardConfig entries; () = not checked), else the one-line reason and fix; the constructor raises
         the same (docs/recipes/compose.md). The guidance scale needs the model's family and is checked once it loads."""
-        if "memoryless" not in rollout_carries(sampler):
+        if "memoryless" not in kit.rollout_carries(sampler):
             return (
                 f"trainer: adjoint_matching needs the memoryless SDE on a grid that stops short of σ = 1, which sampler "
                 f"{sampler.name} with these settings is not; use {MEMORYLESS_SAMPLER}"
@@ -106,13 +101,11 @@ class AdjointMatchingTrainer:
                 f"trainer: adjoint_matching regresses on the gradient of Σ_k w_k r_k and takes no advantages, so balancer "
                 f"{balancer.name} would not act: use balancer weighted_sum (the reward weights are the combination)"
             )
-        flat = [r.name for r in rewards if not getattr(REWARDS.get(r.name), "differentiable", False)]
+        flat = [r.name for r in rewards if not REWARDS.get(r.name).differentiable]
         return not_differentiable(flat) if flat else None
 
     def __init__(self, cfg: RunConfig, accelerator=None):
-        from accelerate.utils import set_seed
-
-        self.cfg, t = cfg, cfg.train
+        t = cfg.train
         if t.reward_multiplier <= 0 or t.loss_clip_factor < 0 or t.num_random_loss_times < 0:
             raise ValueError(
                 f"train.reward_multiplier={t.reward_multiplier} must be > 0, train.loss_clip_factor="
@@ -121,61 +114,43 @@ class AdjointMatchingTrainer:
         why = self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards)
         if why:
             raise ValueError(why)
-        self.accelerator = acc = accelerator or make_accelerator(cfg)
-        self.rewards = build_rewards(cfg.rewards, acc.device)
-        flat = [name for name, r in self.rewards.items() if not getattr(r, "differentiable", False)]
+        # the base velocity: LoRA switched off, or (full fine-tuning) a frozen copy of the starting weights; scored in
+        # the recipe's own step (with the reward's gradient)
+        acc = accelerator or make_accelerator(cfg)
+        self.parts = parts = kit.build_parts(cfg, acc, "adjoint_matching", scored=False, base_copy=True)
+        flat = [name for name, r in parts.rewards.items() if not r.differentiable]
         if flat:  # a reward whose instance is not differentiable (a backend choice, e.g. artifact's vlm)
             raise ValueError(not_differentiable(flat))
-        self.weights = {r.name: r.weight for r in cfg.rewards}
-        self.run = RunFolder(cfg.output_dir, cfg.name)
-        self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
-        self.prompt_sampler, self.local_n = step_batches(cfg, self.sampler, acc.num_processes)
-        set_seed(cfg.seed)
-        self.model = build_policy(cfg.model, acc.device, sharded=Sharding(acc).kind == "fsdp")  # FSDP2: loaded for sharding
-        check_trainable("adjoint_matching", self.sampler, self.model)  # loss times only where the trained module runs
-        self.base = None
-        if not cfg.model.use_lora:  # full fine-tuning: the base is a frozen copy of the starting weights
-            self.base = copy.deepcopy(self.model.transformer).requires_grad_(False).eval().to(acc.device)
-        self.opt = OptimizerStep(acc, self.model.transformer, t, self.local_n // t.num_minibatches, cfg.model.mixed_precision)
-        self.ema = EMA(self.opt.names, self.opt.params, t.ema_decay, t.ema_every_n_steps, t.ema_mode) if t.use_ema else None
-        guidance = getattr(self.sampler, "guidance_scale", None)
-        self.guidance = self.model.default_guidance_scale if guidance is None else guidance
-        if self.model.uses_cfg(self.guidance):
-            raise ValueError(
-                f"trainer: adjoint_matching rolls out the model's own memoryless SDE: sampler.guidance_scale="
-                f"{self.guidance} is classifier-free guidance for {self.model.family}; set it to 1.0"
-            )
-        self.evaluation = TrainingEvaluation(cfg, acc, self.run, self.model, self.rewards, self.opt, self.ema)
-        self.step = 0
-        self.counters = {"reward_errors": 0}
+        self.guidance = kit.refuse_cfg("adjoint_matching", parts, "rolls out the model's own memoryless SDE")
 
     @contextlib.contextmanager
     def base_model(self):
         """The base velocity: LoRA switched off, or the frozen copy swapped in (full fine-tuning)."""
-        if self.base is None:
-            with self.model.adapter_disabled():
+        model = self.parts.model
+        if self.parts.base_copy is None:
+            with model.adapter_disabled():
                 yield
             return
-        trained, self.model.transformer = self.model.transformer, self.base
+        trained, model.transformer = model.transformer, self.parts.base_copy
         try:
             yield
         finally:
-            self.model.transformer = trained
+            model.transformer = trained
 
-    # ------------------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
-        t, acc, model = self.cfg.train, self.accelerator, self.model
+        parts = self.parts
+        t, acc, model = parts.cfg.train, parts.accelerator, parts.model
         started = timed(acc.device)
 
         # 1. Prompts
-        batch = self.prompt_sampler.local_batch(self.step, acc.process_index, acc.num_processes)
+        batch = parts.prompt_sampler.local_batch(parts.step, acc.process_index, acc.num_processes)
 
         # 2. Rollout: the memoryless SDE of the current weights, no gradient
         tic = timed(acc.device)
         model.transformer.eval()
-        size = self.local_n // t.num_rollout_batches
+        size = parts.local_n // t.num_rollout_batches
         chunks = [batch.select(slice(c * size, (c + 1) * size)) for c in range(t.num_rollout_batches)]
-        rollout = Rollout.concat([self.sampler(model, chunk, step=self.step) for chunk in chunks])
+        rollout = Rollout.concat([parts.sampler(model, chunk, step=parts.step) for chunk in chunks])
         latents, sigmas, cond = rollout.latents.to(acc.device), rollout.sigmas.to(acc.device), rollout.cond
         rollout_s = tic.seconds()
 
@@ -184,16 +159,16 @@ class AdjointMatchingTrainer:
         x_end = latents[:, -1].detach().requires_grad_(True)
         with torch.enable_grad():
             images = model.decode(x_end)
-            parts = {name: r(images, batch.prompts, batch.metadata).scores.float() for name, r in self.rewards.items()}
-            total = sum(self.weights[name] * score for name, score in parts.items())  # [N]
+            scores = {name: r(images, batch.prompts, batch.metadata).scores.float() for name, r in parts.rewards.items()}
+            total = sum(parts.weights[name] * score for name, score in scores.items())  # [N]
             (grad,) = torch.autograd.grad(total.sum(), x_end)
         reward_s = tic.seconds()
-        metrics = {f"reward/{name}/mean": float(acc.reduce(s.detach().mean(), "mean")) for name, s in parts.items()}
+        metrics = {f"reward/{name}/mean": float(acc.reduce(s.detach().mean(), "mean")) for name, s in scores.items()}
         metrics["reward/total/mean"] = float(acc.reduce(total.detach().mean(), "mean"))
 
         # 4. Adjoint and 5. loss times (the same on every process: the step's own generator)
         tic = timed(acc.device)
-        gen, trainable = step_generator(self.cfg.seed, self.step), trainable_steps(self.model, sigmas)
+        gen, trainable = step_generator(parts.cfg.seed, parts.step), trainable_steps(model, sigmas)
         keep = loss_times(sigmas.cpu(), t.all_loss_times_below_sigma, t.num_random_loss_times, gen, trainable)
         adjoints, v_base = self._adjoint(latents, sigmas, cond, -t.reward_multiplier * grad.detach(), keep)
 
@@ -202,18 +177,19 @@ class AdjointMatchingTrainer:
         optimise_s = tic.seconds()
 
         # 7. Log
-        wall = started.seconds()
-        n = self.local_n
-        metrics.update(step_metrics(wall, rollout_s, reward_s, optimise_s, n * acc.num_processes, 0, torch.tensor(n)))
+        n = parts.local_n
+        metrics.update(
+            step_metrics(started.seconds(), rollout_s, reward_s, optimise_s, n * acc.num_processes, 0, torch.tensor(n))
+        )
         metrics["train/grad_reward_norm"] = float(grad.flatten(1).norm(dim=1).mean())
         metrics["train/loss_times"] = len(keep)
-        self.step += 1
+        parts.step += 1
         return metrics
 
     def _adjoint(self, latents, sigmas, cond, terminal, keep):
         """The lean adjoint over sample chunks of `vjp_chunk_size` (the base model's VJPs bound the memory)."""
         n = latents.shape[0]
-        size = self.cfg.train.vjp_chunk_size or n
+        size = self.parts.cfg.train.vjp_chunk_size or n
         adjoints: dict[int, list] = {k: [] for k in keep}
         v_base: dict[int, list] = {k: [] for k in keep}
         with self.base_model():
@@ -222,7 +198,7 @@ class AdjointMatchingTrainer:
                 sub = select_cond(cond, rows)
 
                 def velocity(x, sigma, sub=sub):
-                    return self.model.velocity(x, sigma, sub, self.guidance)
+                    return self.parts.model.velocity(x, sigma, sub, self.guidance)
 
                 a, v = lean_adjoint(velocity, latents[rows], sigmas, terminal[rows], keep)
                 for k in keep:
@@ -231,42 +207,34 @@ class AdjointMatchingTrainer:
         return {k: torch.cat(v) for k, v in adjoints.items()}, {k: torch.cat(v) for k, v in v_base.items()}
 
     def _optimise(self, latents, sigmas, cond, adjoints, v_base, keep) -> dict[str, float]:
-        t, acc, model = self.cfg.train, self.accelerator, self.model
-        n, mb, accum = self.local_n, self.local_n // t.num_minibatches, t.gradient_accumulation_steps
+        parts = self.parts
+        t, model, n = parts.cfg.train, parts.model, parts.local_n
         clip = t.loss_clip_factor * t.reward_multiplier**2 if t.loss_clip_factor > 0 else None
-        order = torch.randperm(n, generator=step_generator(self.cfg.seed + 1, self.step))
-        losses, clipped = [], []
-        for m in range(t.num_minibatches):
-            if m % accum == 0:
-                window = len(losses)
-            rows = order[m * mb : (m + 1) * mb].to(acc.device)
+        clipped, accum = [], t.gradient_accumulation_steps
+        optimizer_steps = kit.OptimizerSteps(parts)
+        for mb in optimizer_steps([torch.randperm(n, generator=adjoint_order_generator(parts.cfg.seed, parts.step))]):
+            rows = mb.index
             sub = select_cond(cond, rows)
             for j, k in enumerate(keep):
                 sigma = sigmas[k].expand(len(rows))
                 v_theta = model.velocity(latents[rows, k], sigma, sub, self.guidance)
                 residual = adjoint_residual(v_theta, v_base[k][rows], adjoints[k][rows], sigma)
                 per_sample = adjoint_matching_loss(residual, clip)  # [b]
-                self.opt.backward(per_sample.mean() / len(keep) / accum, boundary=j == len(keep) - 1 and (m + 1) % accum == 0)
-                losses.append(per_sample.detach().mean())
+                parts.opt.backward(per_sample.mean() / len(keep) / accum, boundary=j == len(keep) - 1 and mb.closes_step)
+                optimizer_steps.losses.append(per_sample.detach().mean())
                 if clip is not None:
                     clipped.append((residual.detach().pow(2).flatten(1).sum(1) > clip).float().mean())
-            if (m + 1) % accum == 0 and self.opt.step(torch.stack(losses[window:])) and self.ema is not None:
-                self.ema.update(self.opt.params, self.opt.optimizer_steps)
-        metrics = {"train/loss": float(torch.stack(losses).mean())}
+        metrics = {"train/loss": float(torch.stack(optimizer_steps.losses).mean())}
         if clipped:
             metrics["train/clipped_fraction"] = float(torch.stack(clipped).mean())
-        return metrics | self.opt.metrics()
+        return metrics | parts.opt.metrics()
 
-    # ------------------------------------------------------------------------------------------ state
-    def save(self):
-        return save_recipe(self)
+    # ------------------------------------------------------------------------------------------ state and loop
+    def own_state(self) -> tuple[dict, dict]:
+        return {}, {}
 
-    def resume(self, path) -> None:
-        resume_recipe(self, path)
-
-    def evaluate(self, step: int | None) -> dict | None:
-        """The fixed evaluation of the current weights (their EMA once an EMA update happened); None = the base model."""
-        return self.evaluation(step)
+    def load_own_state(self, saved: dict, path: Path) -> None:
+        """Nothing of its own: the base is the adapter switched off, or the frozen copy of the starting weights."""
 
     def train(self) -> dict:
         """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""

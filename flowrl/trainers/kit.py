@@ -1,14 +1,55 @@
 """The recipe kit: what every recipe calls, so that a recipe file holds only its config, its `composition_error`,
-its loss stage and its own saved state (DESIGN.md principle 1).
+its loss stage and its own saved state. A recipe on the kit reads:
+
+    class MyTrainer:
+        config_class = MyConfig                       # extends RecipeConfig (optimizer, EMA, minibatch splits)
+
+        def __init__(self, cfg, accelerator=None):
+            ... validate cfg.train, raise self.composition_error(...) ...
+            self.parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), "my")
+
+        def train_step(self):
+            exp = kit.collect(self.parts)             # 1-5: prompts, rollout, score, gather, balance
+            tic = timed(self.parts.accelerator.device)
+            steps = kit.OptimizerSteps(self.parts)    # 6: minibatches, accumulation, clipping, EMA
+            for mb in steps([torch.randperm(...)]):
+                loss = ...                            # the recipe's own loss on rows mb.rows
+                self.parts.opt.backward(loss, boundary=mb.closes_step)
+                steps.losses.append(loss.detach())
+            return kit.finish_step(self.parts, exp, exp.metrics | {...}, tic.seconds())   # 7: step metrics
+
+        def own_state(self): return {}, {}            # what save/resume keep beside the kit's state
+        def load_own_state(self, saved, path): ...
+        def train(self): return train_loop(self, "my")
 
 What a component offers a recipe is declared, not looked up by name: a sampler states what its rollouts carry
-(`carries()`), a balancer what it asks of the trainer (`needs()`), in the vocabularies below.
+(`carries()`), a balancer what it asks of the trainer (`needs()`), in the vocabularies below; a recipe's
+`composition_error` judges a (sampler, balancer) pair by them (`flowrl recipes` lists every pair).
 """
 
 from __future__ import annotations
 
-from flowrl.config import ComponentConfig
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from flowrl.config import ComponentConfig, RunConfig
+from flowrl.models import build_policy
 from flowrl.registry import BALANCERS, SAMPLERS
+from flowrl.sigma_range import check_trainable
+from flowrl.training.clock import Clock, timed
+from flowrl.training.distributed import Sharding
+from flowrl.training.evaluation import TrainingEvaluation
+from flowrl.training.loop import RecipeParts, step_metrics
+from flowrl.training.optim import EMA, OptimizerConfig, OptimizerStep
+from flowrl.training.prompts import step_batches
+from flowrl.training.reward_gradients import RewardGradients
+from flowrl.training.runs import RunFolder
+from flowrl.training.scoring import Scorer, Scores, balance_per_reward, build_rewards, rollout_and_score
+from flowrl.types import PromptBatch, Rollout
 
 CARRIES = {  # what a sampler's rollouts may hold (Sampler.carries())
     "clean_endpoints": "the clean endpoint x0 of every sample",
@@ -45,3 +86,194 @@ def rollout_carries(spec: ComponentConfig) -> frozenset[str]:
 def balancer_needs(spec: ComponentConfig) -> frozenset[str]:
     """What balancer `spec` (name + kwargs) asks of the trainer; the balancer's own argument errors raise here."""
     return _declared("balancer", spec, BALANCERS.get(spec.name)(**spec.kwargs), "needs", NEEDS)
+
+
+# ------------------------------------------------------------------------------------------ building a run
+
+
+@dataclass
+class RecipeConfig(OptimizerConfig):
+    """How a step's samples split, for the recipes that roll out, score and optimise in chunks (keys train.*)."""
+
+    num_inner_epochs: int = 1
+    num_minibatches: int = 1
+    """The step's local samples (or items) are split into this many minibatches."""
+    gradient_accumulation_steps: int = 1
+    """Minibatches per optimizer step (must divide num_minibatches)."""
+    num_rollout_batches: int = 1
+    """Rollouts are generated in this many chunks; rewards of one chunk are scored while the next is sampled. Keep
+    chunk and minibatch the same size (num_rollout_batches = num_minibatches) for exact first-pass ratios on
+    accelerators, whose kernels may round differently at another batch size."""
+    use_async_rewards: bool = True
+    """Score rewards in a worker thread, overlapping the next rollout chunk."""
+
+
+def build_parts(
+    cfg: RunConfig,
+    accelerator,
+    trainer: str,
+    *,
+    adapters: tuple[str, ...] = (),
+    items_per_sample: int = 1,
+    whole_groups: bool = False,
+    scored: bool = True,
+    base_copy: bool = False,
+) -> RecipeParts:
+    """Every component of one run of recipe `trainer`, in the order that fixes its random state: the run folder, the
+    sampler, the grouped prompt sampler (every group on one process with `whole_groups`), the model (seeded by
+    cfg.seed, so every process starts from the same adapter) checked against the sampler's trainable steps, copies of
+    its adapter named `adapters` (a recipe's old policy), a frozen copy of the starting weights (`base_copy`), the
+    optimizer step over minibatches of local_n · `items_per_sample` / num_minibatches items, the EMA, the rewards,
+    their scorer (`scored`; a recipe that scores with a gradient scores itself), the balancer and the evaluation."""
+    from accelerate.utils import set_seed
+
+    t, acc = cfg.train, accelerator
+    run = RunFolder(cfg.output_dir, cfg.name)
+    sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
+    prompt_sampler, local_n = step_batches(cfg, sampler, acc.num_processes, whole_groups)
+    set_seed(cfg.seed)  # every process starts from the same adapter
+    model = build_policy(cfg.model, acc.device, sharded=Sharding(acc).kind == "fsdp")  # FSDP2: loaded for sharding
+    check_trainable(trainer, sampler, model)  # a grid with nothing on the trained module's σ range trains nothing
+    for name in adapters:
+        model.copy_adapter("default", name)  # = the reference while LoRA B = 0
+    frozen = None
+    if base_copy and not cfg.model.use_lora:  # full fine-tuning: the base is a frozen copy of the starting weights
+        frozen = copy.deepcopy(model.transformer).requires_grad_(False).eval().to(acc.device)
+    items = local_n * items_per_sample // t.num_minibatches
+    opt = OptimizerStep(acc, model.transformer, t, items, cfg.model.mixed_precision)
+    ema = EMA(opt.names, opt.params, t.ema_decay, t.ema_every_n_steps, t.ema_mode) if t.use_ema else None
+    rewards = build_rewards(cfg.rewards, acc.device)
+    weights = {r.name: r.weight for r in cfg.rewards}
+    scorer = Scorer(rewards, cfg.on_reward_error, t.use_async_rewards) if scored else None
+    balancer = BALANCERS.get(cfg.balancer.name)(**cfg.balancer.kwargs)
+    evaluation = TrainingEvaluation(cfg, acc, run, model, rewards, opt, ema)
+    return RecipeParts(
+        cfg, acc, run, sampler, prompt_sampler, local_n, model, opt, ema, rewards, weights, scorer, balancer, evaluation, frozen
+    )
+
+
+def sampler_guidance(parts: RecipeParts) -> float:
+    """The guidance scale the sampler rolls out with (the model's default where the sampler sets none)."""
+    guidance = parts.sampler.guidance_scale
+    return parts.model.default_guidance_scale if guidance is None else guidance
+
+
+def refuse_cfg(trainer: str, parts: RecipeParts, why: str) -> float:
+    """The sampler's guidance scale, refused where it is classifier-free guidance for this model (`why`: what the
+    recipe does that CFG would break)."""
+    guidance = sampler_guidance(parts)
+    if parts.model.uses_cfg(guidance):
+        raise ValueError(
+            f"trainer: {trainer} {why}: sampler.guidance_scale={guidance} is classifier-free guidance for "
+            f"{parts.model.family}; set it to 1.0"
+        )
+    return guidance
+
+
+def reward_gradients(parts: RecipeParts, affine: bool, adv_clip_max: float | None = None, probe: bool = False):
+    """The per-reward gradient plumbing of a recipe's stage 6: MARBLE's balancing where the balancer needs per-reward
+    gradients (`affine`: the recipe's loss is affine in the advantage), the cosine probe on request, else one plain
+    backward per minibatch (flowrl/training/reward_gradients.py)."""
+    balancer = parts.balancer if "reward_gradients" in parts.balancer.needs() else None
+    return RewardGradients(balancer, parts.opt, parts.accelerator, list(parts.rewards), affine, adv_clip_max, probe)
+
+
+# ------------------------------------------------------------------------------------------ stages 1-5
+
+
+@dataclass
+class Experience:
+    """What stages 1-5 hand to a recipe's loss: this process's samples, their rollout and their advantages."""
+
+    batch: PromptBatch
+    rollout: Rollout | None  # a recipe that keeps only the endpoints sets it to None once it has them
+    advantages: torch.Tensor  # [N] on the device; 0 for failed samples
+    per_reward: torch.Tensor  # [K, N] on the device: each reward's own advantages (rows in reward order)
+    keep: torch.Tensor  # [N] bool on the device: not failed and kept by the balancer's mask
+    scores: Scores  # this process's scores
+    metrics: dict[str, float]  # the balancer's, the rewards' and the sampler's
+    errors: int  # reward errors over all processes this step
+    started: Clock
+    rollout_s: float
+
+
+def collect(parts: RecipeParts, adapter: str | None = None) -> Experience:
+    """Stages 1-5 of a step: the step's prompts, the rollout (with adapter `adapter`, e.g. an old policy) in chunks with
+    each chunk's rewards scored beside the next one, every process's scores gathered and balanced."""
+    acc, model, t = parts.accelerator, parts.model, parts.cfg.train
+    started = timed(acc.device)
+
+    # 1. Prompts
+    batch = parts.prompt_sampler.local_batch(parts.step, acc.process_index, acc.num_processes)
+
+    # 2. Rollout (in chunks) and 3. Score (overlapping the next chunk in a worker thread)
+    with model.using_adapter(adapter) if adapter is not None else contextlib.nullcontext():
+        rollout, local, rollout_s = rollout_and_score(
+            parts.sampler, model, batch, parts.scorer, t.num_rollout_batches, parts.step, parts.weights
+        )
+
+    # 4. Gather and 5. Balance: advantages [N] (and per reward [K, N]) of this process's samples, failed ones kept out
+    advantages, per_reward, keep, metrics, errors = balance_per_reward(acc, local, batch, parts.balancer, parts.weights)
+    parts.counters["reward_errors"] += errors
+    metrics.update(parts.sampler.rollout_metrics(rollout))  # candidate pools: preview/full rank fidelity; else none
+    device = acc.device
+    return Experience(
+        batch, rollout, advantages.to(device), per_reward.to(device), keep.to(device), local, metrics, errors, started, rollout_s
+    )
+
+
+def finish_step(parts: RecipeParts, exp: Experience, metrics: dict, optimise_s: float) -> dict[str, float]:
+    """Stage 7's step metrics (the `perf/...` timings, sample counts) added to `metrics`; the step counted."""
+    samples = parts.local_n * parts.accelerator.num_processes
+    wall = exp.started.seconds()
+    metrics.update(step_metrics(wall, exp.rollout_s, exp.scores.seconds, optimise_s, samples, exp.errors, exp.keep.sum()))
+    parts.step += 1
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------ stage 6
+
+
+@dataclass
+class Minibatch:
+    """One minibatch of a step's local items: its rows (CPU and device) and whether it closes an optimizer step (its
+    last backward is the boundary of gradient accumulation)."""
+
+    rows: torch.Tensor  # [b] int64 on the CPU
+    index: torch.Tensor  # the same rows on the device
+    epoch: int
+    closes_step: bool
+
+
+class OptimizerSteps:
+    """Stage 6's loop: the step's items in minibatches (one permutation per inner epoch, `orders`), an optimizer step
+    every `gradient_accumulation_steps` minibatches, then the EMA update. A recipe iterates it, runs its backward calls
+    for each minibatch (`closes_step` marks the last) and appends each backward's loss to `losses`; the optimizer step
+    receives the losses of its window. With `reward_grads` the per-reward gradient window is planned over the
+    minibatches it will train (`per_reward` [K, items]) and combined before the step."""
+
+    def __init__(self, parts: RecipeParts, reward_grads: RewardGradients | None = None):
+        t = parts.cfg.train
+        self.parts, self.reward_grads = parts, reward_grads
+        self.num_minibatches, self.accumulation = t.num_minibatches, t.gradient_accumulation_steps
+        self.losses: list[torch.Tensor] = []
+
+    def __call__(self, orders: list[torch.Tensor], per_reward: torch.Tensor | None = None) -> Iterator[Minibatch]:
+        opt, ema, grads, device = self.parts.opt, self.parts.ema, self.reward_grads, self.parts.accelerator.device
+        m_total, accum = self.num_minibatches, self.accumulation
+        for epoch, order in enumerate(orders):
+            size = len(order) // m_total
+            for m in range(m_total):
+                if m % accum == 0:
+                    window = len(self.losses)  # this optimizer step's losses start here
+                    if grads is not None:
+                        grads.plan(per_reward[:, order[m * size : (m + accum) * size].to(device)])
+                rows = order[m * size : (m + 1) * size]
+                closes = (m + 1) % accum == 0
+                yield Minibatch(rows, rows.to(device), epoch, closes)
+                if closes:
+                    if grads is not None:
+                        grads.finish()  # MARBLE: the per-reward gradients combined into .grad
+                    losses = self.losses[window:] or [torch.zeros((), device=device)]
+                    if opt.step(torch.stack(losses)) and ema is not None:
+                        ema.update(opt.params, opt.optimizer_steps)

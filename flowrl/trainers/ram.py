@@ -27,32 +27,26 @@ Only stage 6 (and sampling with θ_old) is RAM's own; everything else is a compo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+import flowrl.trainers.kit as kit
 from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
 from flowrl.losses import ram_loss, ram_target
-from flowrl.models import build_policy
-from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.samplers.candidates import candidate_metrics
-from flowrl.trainers.kit import balancer_needs, rollout_carries
-from flowrl.training.checkpoint import resume_recipe, save_recipe
-from flowrl.training.distributed import Sharding, kept_per_process, make_accelerator
-from flowrl.training.evaluation import TrainingEvaluation
-from flowrl.training.loop import step_metrics, timed, train_loop
-from flowrl.training.optim import EMA, OptimizerConfig, OptimizerStep
-from flowrl.training.prompts import step_batches
-from flowrl.training.runs import RunFolder
-from flowrl.training.scoring import Scorer, balance, build_rewards, rollout_and_score
+from flowrl.training.checkpoint import load_group_into
+from flowrl.training.clock import timed
+from flowrl.training.distributed import kept_per_process, make_accelerator
+from flowrl.training.loop import train_loop
 from flowrl.types import select_cond
 
 OLD = "old"  # the rollout policy's adapter name; the trained one is "default"
 
 
 @dataclass
-class RAMConfig(OptimizerConfig):
+class RAMConfig(kit.RecipeConfig):
     reward_multiplier: float = 100.0
     """m: the target is v_ref + m·A·((ε − x0) − v_old); larger m = weaker pull to the reference (RAM: 100 GenEval /
     OCR, 1000 PickScore, with advantages centred on [0, 1]-range rewards)."""
@@ -66,14 +60,7 @@ class RAMConfig(OptimizerConfig):
     """The old EMA's decay after step i is min(ramp·i, old_decay) (RAM: 0 → 0.9 at 0.01 per epoch)."""
     cache_targets: bool = False
     """Compute v_ref and v_old (the target) of every item once per step before the first minibatch (they do not
-    change within a step); pays off with num_inner_epochs > 1."""
-    num_inner_epochs: int = 1
-    num_minibatches: int = 1
-    """The step's N·K local items are split into this many minibatches (it must divide N)."""
-    gradient_accumulation_steps: int = 1
-    """Minibatches per optimizer step (must divide num_minibatches)."""
-    num_rollout_batches: int = 1
-    use_async_rewards: bool = True
+    change within a step); pays off with num_inner_epochs > 1. Minibatches split the N·K items."""
     ema_every_n_steps: int = 1
     max_grad_norm: float = 0.0
     """RAM trains without gradient clipping (0 = off)."""
@@ -108,11 +95,11 @@ class RAMTrainer:
         """None where sampler `sampler` feeds this recipe through balancer `balancer` (ComponentConfig each), else
         the one-line reason and fix; the constructor raises the same (docs/recipes/compose.md). Any rollout with
         clean endpoints feeds RAM's regression: a tree's leaves and candidate pools' regenerated samples too."""
-        if "clean_endpoints" not in rollout_carries(sampler):
+        if "clean_endpoints" not in kit.rollout_carries(sampler):
             return (
                 f"trainer: ram regresses on clean endpoints, which the rollouts of sampler {sampler.name} lack: use sampler ode"
             )
-        if "reward_gradients" in balancer_needs(balancer):
+        if "reward_gradients" in kit.balancer_needs(balancer):
             return (
                 f"balancer {balancer.name} balances per-reward gradients, which trainer ram does not take (one backward on "
                 "one advantage per sample): use trainer nft or grpo with it, or balancer gdpo with ram"
@@ -120,9 +107,7 @@ class RAMTrainer:
         return None
 
     def __init__(self, cfg: RunConfig, accelerator=None):
-        from accelerate.utils import set_seed
-
-        self.cfg, t = cfg, cfg.train
+        t = cfg.train
         if t.num_loss_targets_per_sample < 1:
             raise ValueError(f"train.num_loss_targets_per_sample={t.num_loss_targets_per_sample} must be >= 1 (RAM: 8)")
         if t.time_alpha <= -1:
@@ -134,117 +119,71 @@ class RAMTrainer:
         why = self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards)
         if why:
             raise ValueError(why)
-        self.accelerator = acc = accelerator or make_accelerator(cfg)
-        self.run = RunFolder(cfg.output_dir, cfg.name)
-        self.sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
-        self.prompt_sampler, self.local_n = step_batches(cfg, self.sampler, acc.num_processes)
-        items = self.local_n * t.num_loss_targets_per_sample  # step_batches checked that num_minibatches divides N
-        set_seed(cfg.seed)  # every process starts from the same adapter
-        self.model = build_policy(cfg.model, acc.device, sharded=Sharding(acc).kind == "fsdp")  # FSDP2: loaded for sharding
-        self.model.copy_adapter("default", OLD)
-        self.opt = OptimizerStep(acc, self.model.transformer, t, items // t.num_minibatches, cfg.model.mixed_precision)
-        self.old_params = self.model.adapter_parameters(OLD)
-        self.ema = EMA(self.opt.names, self.opt.params, t.ema_decay, t.ema_every_n_steps, t.ema_mode) if t.use_ema else None
-        guidance = getattr(self.sampler, "guidance_scale", None)
-        self.rollout_guidance = self.model.default_guidance_scale if guidance is None else guidance
+        acc = accelerator or make_accelerator(cfg)  # minibatches of (endpoint, t) items: K per endpoint
+        self.parts = parts = kit.build_parts(cfg, acc, "ram", adapters=(OLD,), items_per_sample=t.num_loss_targets_per_sample)
+        self.old_params = parts.model.adapter_parameters(OLD)
+        self.rollout_guidance = kit.sampler_guidance(parts)
         # the loss regresses conditional velocities: true CFG stays in the rollout; a distilled guidance embedding
         # (FLUX.1-dev) is part of the conditional model and is kept at the sampler's scale
-        self.guidance = 1.0 if self.model.uses_cfg(self.rollout_guidance) else self.rollout_guidance
-        self.rewards = build_rewards(cfg.rewards, acc.device)
-        self.weights = {r.name: r.weight for r in cfg.rewards}
-        self.scorer = Scorer(self.rewards, cfg.on_reward_error, t.use_async_rewards)
-        self.balancer = BALANCERS.get(cfg.balancer.name)(**cfg.balancer.kwargs)
-        self.evaluation = TrainingEvaluation(cfg, acc, self.run, self.model, self.rewards, self.opt, self.ema)
-        self.step = 0
-        self.counters = {"reward_errors": 0}
+        self.guidance = 1.0 if parts.model.uses_cfg(self.rollout_guidance) else self.rollout_guidance
 
-    # ------------------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
-        t, acc, model = self.cfg.train, self.accelerator, self.model
-        started = timed(acc.device)
-
-        # 1. Prompts
-        batch = self.prompt_sampler.local_batch(self.step, acc.process_index, acc.num_processes)
-
-        # 2. Rollout with the old policy and 3. Score
-        with model.using_adapter(OLD):
-            rollout, local, rollout_s = rollout_and_score(
-                self.sampler, model, batch, self.scorer, t.num_rollout_batches, self.step, self.weights
-            )
-        sampler_metrics = candidate_metrics(rollout)  # candidate pools: preview/full rank fidelity; else empty
-        x0, cond = rollout.final_latents().to(acc.device), rollout.cond  # [N, *latent_shape]; rows [N]
-        del rollout
-
-        # 4. Gather and 5. Balance: advantages [N] of this process's samples, failed samples kept out
-        advantages, keep, metrics, errors = balance(acc, local, batch, self.balancer, self.weights)
-        self.counters["reward_errors"] += errors
-        metrics.update(sampler_metrics)
+        parts, t = self.parts, self.parts.cfg.train
+        exp = kit.collect(parts, adapter=OLD)  # 1-5, the rollout with the old policy
+        x0, cond = exp.rollout.final_latents().to(parts.accelerator.device), exp.rollout.cond  # [N, *latent_shape]; rows [N]
+        exp.rollout = None  # the endpoints are all RAM keeps
 
         # 6. Optimise, then step the old policy's EMA
-        tic = timed(acc.device)
-        draws = seed_formulas.sample_generators(batch.seeds, "cpu", seed_formulas.TRAIN_STREAM)  # a sample's t and ε
-        shape, sigma_range = tuple(x0.shape[1:]), model.trainable_sigma_range()  # times on the trained expert's side
+        tic = timed(parts.accelerator.device)
+        draws = seed_formulas.sample_generators(exp.batch.seeds, "cpu", seed_formulas.TRAIN_STREAM)  # a sample's t and ε
+        shape, sigma_range = tuple(x0.shape[1:]), parts.model.trainable_sigma_range()  # times on the trained side
         times, noises = training_draws(draws, shape, t.num_loss_targets_per_sample, t.time_alpha, sigma_range)
-        metrics.update(self._optimise(x0, cond, advantages.to(acc.device), keep.to(acc.device), times, noises))
-        decay = old_policy_decay(self.step, t.old_decay_ramp, t.old_decay)
-        model.soft_update_adapter(OLD, "default", decay)
-        optimise_s = tic.seconds()
-
-        # 7. Log
-        wall = started.seconds()
-        samples = self.local_n * acc.num_processes
-        metrics.update(step_metrics(wall, rollout_s, local.seconds, optimise_s, samples, errors, keep.sum()))
+        metrics = exp.metrics | self._optimise(x0, cond, exp.advantages, exp.keep, times, noises)
+        decay = old_policy_decay(parts.step, t.old_decay_ramp, t.old_decay)
+        parts.model.soft_update_adapter(OLD, "default", decay)
+        metrics = kit.finish_step(parts, exp, metrics, tic.seconds())  # 7. Log
         metrics["train/old_decay"] = decay
-        self.step += 1
         return metrics
 
     def _targets(self, x_t, sigma, cond, x0, noise, advantages) -> torch.Tensor:
-        model = self.model
+        model = self.parts.model
         with torch.no_grad():
             with model.using_adapter(OLD):
                 v_old = model.velocity(x_t, sigma, cond, self.guidance)
             with model.adapter_disabled():
                 v_ref = model.velocity(x_t, sigma, cond, self.guidance)
-        return ram_target(v_ref, v_old, x0, noise, advantages, self.cfg.train.reward_multiplier)
+        return ram_target(v_ref, v_old, x0, noise, advantages, self.parts.cfg.train.reward_multiplier)
 
     def _optimise(self, x0, cond, advantages, keep, times, noises) -> dict[str, float]:
         """The RAM regression over the step's N·K (endpoint, t) items in minibatches; the mean over the kept items
         of a minibatch, accumulated over `gradient_accumulation_steps` minibatches per optimizer step."""
-        t, acc, model = self.cfg.train, self.accelerator, self.model
+        parts = self.parts
+        t, acc, model, opt = parts.cfg.train, parts.accelerator, parts.model, parts.opt
         n, k = times.shape
-        gen = seed_formulas.step_generator(self.cfg.seed, self.step)
+        gen = seed_formulas.step_generator(parts.cfg.seed, parts.step)
         sample_of = torch.arange(n).repeat_interleave(k)  # item -> endpoint; items are (sample, j) in row order
         sigma_all = times.reshape(-1).to(acc.device)  # [N·K]
         noise_all = noises.reshape(n * k, *noises.shape[2:]).to(acc.device)
-        mb, accum = n * k // t.num_minibatches, t.gradient_accumulation_steps
+        items = (sample_of, x0, cond, advantages, sigma_all, noise_all)
         cached = None
         if t.cache_targets:
             cached = torch.cat(
-                [
-                    self._minibatch_target(rows, sample_of, x0, cond, advantages, sigma_all, noise_all)[1]
-                    for rows in torch.arange(n * k).split(mb)
-                ]
+                [self._minibatch_target(rows, *items)[1] for rows in torch.arange(n * k).split(n * k // t.num_minibatches)]
             )
-        stats: dict[str, list[torch.Tensor]] = {"loss": [], "target_norm": []}
-        for _ in range(t.num_inner_epochs):
-            order = torch.randperm(n * k, generator=gen)
-            for m in range(t.num_minibatches):
-                if m % accum == 0:
-                    window = len(stats["loss"])
-                rows = order[m * mb : (m + 1) * mb]
-                x_t, target = self._minibatch_target(rows, sample_of, x0, cond, advantages, sigma_all, noise_all, cached)
-                index = rows.to(acc.device)
-                keep_b = keep[sample_of[rows].to(acc.device)].float()  # [b]
-                v_theta = model.velocity(x_t, sigma_all[index], select_cond(cond, sample_of[rows].to(acc.device)), self.guidance)
-                per_item = ram_loss(v_theta, target)  # [b]
-                self.opt.backward(
-                    (per_item * keep_b).sum() / kept_per_process(acc, keep_b.sum()) / accum, boundary=(m + 1) % accum == 0
-                )
-                stats["loss"].append(per_item.detach().mean())
-                stats["target_norm"].append(target.pow(2).mean(tuple(range(1, target.ndim))).sqrt().mean())
-                if (m + 1) % accum == 0 and self.opt.step(torch.stack(stats["loss"][window:])) and self.ema is not None:
-                    self.ema.update(self.opt.params, self.opt.optimizer_steps)
-        return {f"train/{key}": float(torch.stack(v).mean()) for key, v in stats.items()} | self.opt.metrics()
+        target_norms = []
+        optimizer_steps = kit.OptimizerSteps(parts)
+        for mb in optimizer_steps([torch.randperm(n * k, generator=gen) for _ in range(t.num_inner_epochs)]):
+            x_t, target = self._minibatch_target(mb.rows, *items, cached)
+            samples = sample_of[mb.rows].to(acc.device)
+            keep_b = keep[samples].float()  # [b]
+            v_theta = model.velocity(x_t, sigma_all[mb.index], select_cond(cond, samples), self.guidance)
+            per_item = ram_loss(v_theta, target)  # [b]
+            accum = t.gradient_accumulation_steps
+            opt.backward((per_item * keep_b).sum() / kept_per_process(acc, keep_b.sum()) / accum, boundary=mb.closes_step)
+            optimizer_steps.losses.append(per_item.detach().mean())
+            target_norms.append(target.pow(2).mean(tuple(range(1, target.ndim))).sqrt().mean())
+        loss = float(torch.stack(optimizer_steps.losses).mean())
+        return {"train/loss": loss, "train/target_norm": float(torch.stack(target_norms).mean())} | opt.metrics()
 
     def _minibatch_target(self, rows, sample_of, x0, cond, advantages, sigma_all, noise_all, cached=None):
         """x_t and the (cached or fresh) target of the items `rows`."""
@@ -258,16 +197,13 @@ class RAMTrainer:
         )
         return x_t, target
 
-    # ------------------------------------------------------------------------------------------ state
-    def save(self):
-        return save_recipe(self, groups={"adapter_old": self.old_params})
+    # ------------------------------------------------------------------------------------------ state and loop
+    def own_state(self) -> tuple[dict, dict]:
+        """θ_old, a tensor group beside the weights."""
+        return {"adapter_old": self.old_params}, {}
 
-    def resume(self, path) -> None:
-        resume_recipe(self, path, groups={"adapter_old": self.old_params})
-
-    def evaluate(self, step: int | None) -> dict | None:
-        """The fixed evaluation of θ (its EMA once an EMA update happened); None = the base model."""
-        return self.evaluation(step)
+    def load_own_state(self, saved: dict, path: Path) -> None:
+        load_group_into(path, "adapter_old", self.old_params)
 
     def train(self) -> dict:
         """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""

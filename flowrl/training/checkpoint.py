@@ -36,9 +36,8 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from flowrl.training.runs import CHECKPOINTS, step_dir_name
+from flowrl.training.runs import CHECKPOINTS, step_dir_name, step_of
 
-STEP_PREFIX = "step_"
 # Tests set this to a step number to SIGKILL the process in the middle of writing that step's checkpoint.
 FAULT_ENV = "FLOWRL_FAULT_KILL_DURING_CHECKPOINT"
 # keys that may differ between a checkpoint's config and the config that resumes it
@@ -49,8 +48,8 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     folder = Path(run_dir) / CHECKPOINTS
     if not folder.is_dir():
         return []
-    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / "trainer_state.json").exists()]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+    found = [p for p in folder.iterdir() if p.is_dir() and step_of(p.name) is not None and (p / "trainer_state.json").exists()]
+    return sorted(found, key=lambda p: step_of(p.name))
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -212,6 +211,19 @@ def read_group(path: str | Path, group: str) -> dict[str, torch.Tensor]:
     return _read_checkpoint_file(Path(path) / f"{group}.safetensors", lambda f: load_file(str(f)))
 
 
+def load_group_into(path: str | Path, group: str, live: dict[str, torch.Tensor]) -> None:
+    """A recipe's tensor group of fixed names and shapes (e.g. NFT's old adapter), copied into its live (possibly
+    sharded) tensors in place."""
+    from flowrl.training.distributed import like
+
+    saved = read_group(path, group)
+    if saved.keys() != live.keys():
+        raise ValueError(f"checkpoint {str(path)!r}: {group}.safetensors holds other tensors than this run's {group}")
+    with torch.no_grad():
+        for name, tensor in live.items():
+            tensor.copy_(like(saved[name], tensor))
+
+
 def field_default(cfg: Any, dotted: str) -> Any:
     """The schema default of config key `dotted` ("train.tagrpo.coef") of the config object `cfg`; a sentinel where
     the key is no dataclass field (a list entry, a component's kwargs)."""
@@ -337,17 +349,15 @@ def save_training_state(
     )
 
 
-def restore_training_state(
-    path: str | Path, accelerator, opt, ema, cfg: Any, groups: dict[str, dict[str, torch.Tensor]] | None = None
-) -> dict:
-    """Load a checkpoint into an OptimizerStep and EMA (and the recipe's tensor groups, copied into the live tensors
-    of `groups` in place); returns the recipe's trainer state (step, counters).
+def restore_training_state(path: str | Path, accelerator, opt, ema, cfg: Any) -> dict:
+    """Load a checkpoint into an OptimizerStep and EMA; returns the recipe's trainer state (step, counters; a recipe's
+    own tensor groups load with `read_group` or `load_group_into`).
 
     Refuses a checkpoint written with another config (keys other than RESUMABLE_DIFFERENCES differ).
     """
     from flowrl.training.distributed import like
 
-    state = load_checkpoint(path, accelerator.process_index, tuple(groups or {}))
+    state = load_checkpoint(path, accelerator.process_index)
     from flowrl.config import to_dict
 
     diff = config_differences(state["config"], to_dict(cfg), cfg)
@@ -358,54 +368,13 @@ def restore_training_state(
         )
     opt.load_full_state(state["trainable"], state["optimizer"], state["lr_scheduler"])
     ts = state["trainer_state"]
-    # checkpoints written before the optimizer step had its own record keep its counters at the top level
+    # a trainer state without an optimizer record keeps the optimizer counters at its top level
     legacy = {"optimizer_steps": ts.get("optimizer_steps", 0), "nan_streak": ts.get("nan_streak", 0), "counters": {}}
     opt.load_state_dict(ts.get("optimizer", legacy))
     if ema is not None and state["ema"] is not None:
         for name, value in state["ema"].items():
             ema.shadow[name] = like(value, ema.shadow[name])
         ema.num_updates = int(ts.get("ema_updates", 0))
-    for group, live in (groups or {}).items():
-        saved = state["groups"][group]
-        if saved.keys() != live.keys():
-            raise ValueError(f"checkpoint {str(path)!r}: {group}.safetensors holds other tensors than this run's {group}")
-        with torch.no_grad():
-            for name, tensor in live.items():
-                tensor.copy_(like(saved[name], tensor))
     if state["rng"] is not None:
         set_rng_state(state["rng"])
     return ts
-
-
-def save_recipe(recipe, groups: dict[str, dict[str, torch.Tensor]] | None = None, extra: dict | None = None) -> Path:
-    """`save_training_state` for a recipe object (its accelerator, run, step, opt, ema, model, counters and cfg), with
-    the prompt sampler's position; `groups` the recipe's extra tensor groups (e.g. {"adapter_old": tensors}), `extra`
-    its own small state (e.g. MARBLE's α)."""
-    from flowrl.config import dump_config
-
-    cfg = recipe.cfg
-    state = {"prompt_sampler_position": recipe.step * cfg.data.num_prompts_per_step, "counters": recipe.counters}
-    state.update(extra or {})
-    return save_training_state(
-        recipe.accelerator,
-        recipe.run.root,
-        recipe.step,
-        recipe.opt,
-        recipe.ema,
-        recipe.model,
-        state,
-        dump_config(cfg),
-        cfg.checkpoint.keep_last,
-        groups=groups,
-    )
-
-
-def resume_recipe(recipe, path: str | Path, groups: dict[str, dict[str, torch.Tensor]] | None = None) -> dict:
-    """Restore what `save_recipe` wrote into a recipe object: its step and counters, and later metrics forgotten.
-    Returns the saved trainer state (the recipe reads its `extra` keys from it)."""
-
-    state = restore_training_state(path, recipe.accelerator, recipe.opt, recipe.ema, recipe.cfg, groups)
-    recipe.step, recipe.counters = int(state["step"]), dict(state["counters"])
-    if recipe.accelerator.is_main_process:
-        recipe.run.forget_after(recipe.step)
-    return state

@@ -98,7 +98,8 @@ def _environment(model: FlowModel) -> dict[str, str]:
     """Where the evaluation ran: model family, device (and its name), dtype, Python and package versions."""
     import platform
     import sys
-    from importlib.metadata import PackageNotFoundError, version
+
+    from flowrl.environment import package_versions
 
     device = torch.device(model.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
@@ -109,12 +110,7 @@ def _environment(model: FlowModel) -> dict[str, str]:
         "dtype": str(model.dtype).replace("torch.", ""),
         "python": sys.version.split()[0],
     }
-    for package in ("torch", "diffusers", "transformers", "flowrl"):
-        try:
-            env[package] = version(package)
-        except PackageNotFoundError:
-            env[package] = "not installed"
-    return env
+    return {**env, **package_versions(("torch", "diffusers", "transformers", "flowrl"))}
 
 
 def _check_inputs(
@@ -145,7 +141,7 @@ def _check_inputs(
         )
     modality = "video" if model.is_video else "image"
     for name, reward in rewards.items():
-        if modality not in getattr(reward, "modalities", ("image",)):
+        if modality not in getattr(reward, "modalities", ("image",)):  # a plain callable scores images
             raise ValueError(
                 f"evaluate: reward {name!r} scores {tuple(reward.modalities)} but the model makes {modality}s; "
                 f"use a {modality} reward (e.g. wrap it with per_frame)"

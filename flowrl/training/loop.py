@@ -1,10 +1,58 @@
-"""The run loop every recipe's `train()` is, the stage clocks and the per-step metrics every recipe logs."""
+"""What the run loop, save and resume need from a recipe (`RecipeParts`, `Recipe`), and the loop itself: every
+recipe's `train()` is `train_loop(recipe)`; the stage clocks and the per-step metrics every recipe logs."""
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+
+from flowrl.training.checkpoint import resolve_resume, restore_training_state, save_training_state
+from flowrl.training.evaluation import TrainingEvaluation
+from flowrl.training.optim import EMA, OptimizerStep
+from flowrl.training.prompts import GroupedPromptSampler
+from flowrl.training.runs import RunFolder
+from flowrl.training.scoring import Scorer
+
+
+@dataclass
+class RecipeParts:
+    """The components one run of any recipe holds (built by `flowrl.trainers.kit.build_parts`), and its clock: the
+    training step and the counters that checkpoints keep."""
+
+    cfg: Any  # RunConfig
+    accelerator: Any
+    run: RunFolder
+    sampler: Any  # a Sampler (flowrl.types)
+    prompt_sampler: GroupedPromptSampler
+    local_n: int  # this process's samples per step
+    model: Any  # a FlowModel (flowrl.types)
+    opt: OptimizerStep
+    ema: EMA | None
+    rewards: dict[str, Any]
+    weights: dict[str, float]
+    scorer: Scorer | None  # None for recipes that score in their own step (adjoint matching: with a gradient)
+    balancer: Any  # a Balancer (flowrl.types)
+    evaluation: TrainingEvaluation
+    base_copy: torch.nn.Module | None = None  # a frozen copy of the starting weights, where a recipe asked for one
+    step: int = 0
+    counters: dict[str, int] = field(default_factory=lambda: {"reward_errors": 0})
+
+
+class Recipe(Protocol):
+    """What `train_loop`, `save_recipe` and `resume_recipe` need from a recipe: its parts (with the step) and its own
+    state beside the kit's: `own_state()` -> (tensor groups, small JSON state) to write, e.g. NFT's old adapter, and
+    `load_own_state(saved trainer state, checkpoint folder)` to read them back."""
+
+    parts: RecipeParts
+
+    def train_step(self) -> dict[str, float]: ...
+
+    def own_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]: ...
+
+    def load_own_state(self, saved: dict, path: Path) -> None: ...
 
 
 def progress_bar(enabled: bool, total: int, initial: int, desc: str):
@@ -28,30 +76,6 @@ def show_progress(bar, metrics: dict) -> None:
     bar.set_postfix(shown)
 
 
-class Clock:
-    """Wall seconds since it started, for the `perf/...` timings. On CUDA it synchronises the device when it starts and
-    when read: kernels run asynchronously, so without it a stage's queued work is billed to whichever later stage first
-    waits on the device (docs/models.md#timings)."""
-
-    def __init__(self, device: str | torch.device):
-        self.device = torch.device(device)
-        self._synchronize()
-        self.started = time.perf_counter()
-
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def seconds(self) -> float:
-        self._synchronize()
-        return time.perf_counter() - self.started
-
-
-def timed(device: str | torch.device) -> Clock:
-    """A started `Clock` on `device`: `tic = timed(acc.device)` ... `rollout_s = tic.seconds()`."""
-    return Clock(device)
-
-
 def step_metrics(wall: float, rollout_s: float, reward_s: float, optimise_s: float, num_samples: int, errors: int, kept) -> dict:
     """The `perf/...` timings and sample counts every recipe logs for one step (`num_samples` over all processes)."""
     return {
@@ -65,42 +89,72 @@ def step_metrics(wall: float, rollout_s: float, reward_s: float, optimise_s: flo
     }
 
 
-def train_loop(recipe, label: str) -> dict:
+def save_recipe(recipe: Recipe) -> Path:
+    """A full checkpoint of a recipe: the kit's state (weights, optimizer, EMA, step, counters, RNG, config) and the
+    recipe's own (`own_state()`: tensor groups and JSON extras)."""
+    from flowrl.config import dump_config
+
+    parts = recipe.parts
+    groups, extra = recipe.own_state()
+    state = {"counters": parts.counters, **extra}
+    return save_training_state(
+        parts.accelerator,
+        parts.run.root,
+        parts.step,
+        parts.opt,
+        parts.ema,
+        parts.model,
+        state,
+        dump_config(parts.cfg),
+        parts.cfg.checkpoint.keep_last,
+        groups=groups or None,
+    )
+
+
+def resume_recipe(recipe: Recipe, path: str | Path) -> None:
+    """Restore what `save_recipe` wrote: the kit's state, then the recipe's own (`load_own_state`: its tensor groups and
+    JSON state); metric lines logged after the checkpoint's step are forgotten."""
+    parts = recipe.parts
+    state = restore_training_state(path, parts.accelerator, parts.opt, parts.ema, parts.cfg)
+    parts.step, parts.counters = int(state["step"]), dict(state["counters"])
+    recipe.load_own_state(state, Path(path))
+    if parts.accelerator.is_main_process:
+        parts.run.forget_after(parts.step)
+
+
+def train_loop(recipe: Recipe, label: str) -> dict:
     """Run a recipe to cfg.num_steps: resume (checkpoint.resume), the run folder and trackers, the base eval, then
-    `recipe.train_step()` with logging, evals and checkpoints on their cadences, a last checkpoint and eval.
-
-    The recipe provides cfg, accelerator, run, step, train_step(), save(), resume(path), evaluate(step | None)
-    and (if it scores through one) scorer; every recipe's `train()` is this loop (the algorithm lives in its train_step)."""
+    `recipe.train_step()` with logging, evals and checkpoints on their cadences, a last checkpoint and eval."""
     from flowrl.config import dump_config, flatten, to_dict
-    from flowrl.training.checkpoint import resolve_resume
 
-    cfg, acc = recipe.cfg, recipe.accelerator
-    resume = resolve_resume(cfg.checkpoint.resume, recipe.run.root)
+    parts = recipe.parts
+    cfg, acc = parts.cfg, parts.accelerator
+    resume = resolve_resume(cfg.checkpoint.resume, parts.run.root)
     if resume is not None:
-        recipe.resume(resume)
-    recipe.run.start(acc, dump_config(cfg), recipe.opt.sharding.kind, cfg.model.mixed_precision)
+        resume_recipe(recipe, resume)
+    parts.run.start(acc, dump_config(cfg), parts.opt.sharding.kind, cfg.model.mixed_precision)
     scalars = {k: v for k, v in flatten(to_dict(cfg)).items() if isinstance(v, (int, float, str, bool))}
     acc.init_trackers(cfg.name, config=scalars)
-    if recipe.step == 0:
-        recipe.evaluate(None)
-    bar = progress_bar(cfg.logging.progress_bar and acc.is_main_process, cfg.num_steps, recipe.step, f"{label} {cfg.name}")
+    if parts.step == 0:
+        parts.evaluation(None)
+    bar = progress_bar(cfg.logging.progress_bar and acc.is_main_process, cfg.num_steps, parts.step, f"{label} {cfg.name}")
     history = []
-    while recipe.step < cfg.num_steps:
+    while parts.step < cfg.num_steps:
         metrics = recipe.train_step()
         history.append(metrics)
-        recipe.run.log(acc, recipe.step, metrics)
+        parts.run.log(acc, parts.step, metrics)
         show_progress(bar, metrics)
-        step, last = recipe.step, recipe.step >= cfg.num_steps
+        step, last = parts.step, parts.step >= cfg.num_steps
         if cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0 and not last:
-            recipe.save()
+            save_recipe(recipe)
         if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0 and not last:
-            recipe.evaluate(step)
+            parts.evaluation(step)
     if bar is not None:
         bar.close()
-    recipe.save()
-    final = recipe.evaluate(recipe.step)
-    if getattr(recipe, "scorer", None) is not None:  # adjoint matching scores in its own step (with a gradient)
-        recipe.scorer.close()
+    save_recipe(recipe)
+    final = parts.evaluation(parts.step)
+    if parts.scorer is not None:
+        parts.scorer.close()
     acc.wait_for_everyone()
     acc.end_training()
     return {"history": history, "final_eval": final}

@@ -183,13 +183,8 @@ def step_batches(cfg, sampler, num_processes: int, whole_groups: bool = False) -
             f"train.gradient_accumulation_steps={t.gradient_accumulation_steps} must divide "
             f"train.num_minibatches={t.num_minibatches}"
         )
-    whole = whole_groups or getattr(sampler, "whole_groups", False)  # the recipe's need (TAGRPO) or the sampler's
-    leaves = getattr(sampler, "num_leaves", None)  # a tree sampler: one tree per group, its leaves the group's samples
-    if leaves is not None and d.group_size != leaves:
-        raise ValueError(
-            f"data.group_size={d.group_size} but the tree of sampler.split_steps={list(sampler.split_steps)} and "
-            f"sampler.branching={sampler.branching} has {leaves} leaves; set data.group_size={leaves}"
-        )
+    whole = whole_groups or sampler.whole_groups  # the recipe's need (TAGRPO) or the sampler's
+    sampler.check_groups(d.group_size)  # a tree: one leaf per sample of its group
     prompts, metadata = load_prompt_records(d.prompts, d.prompts_file, d.toy_split, "data", d.toy_sources)
     prompt_sampler = GroupedPromptSampler(prompts, d.num_prompts_per_step, d.group_size, cfg.seed, whole, metadata, d.noise_pool)
     local_n = prompt_sampler.local_size(num_processes)
@@ -199,12 +194,8 @@ def step_batches(cfg, sampler, num_processes: int, whole_groups: bool = False) -
             f"the {local_n} samples per process do not split into train.num_minibatches="
             f"{t.num_minibatches} and train.num_rollout_batches={chunks}"
         )
-    if leaves is not None and (local_n // chunks) % leaves:
-        raise ValueError(
-            f"train.num_rollout_batches={chunks} makes rollout chunks of {local_n // chunks} samples, which splits a tree "
-            f"of {leaves} leaves; make it a divisor of the {local_n // leaves} trees per process"
-        )
-    if whole and leaves is None and (local_n // chunks) % d.group_size:
+    sampler.check_groups(d.group_size, local_n // chunks, chunks)  # a tree: whole trees per chunk
+    if whole and (local_n // chunks) % d.group_size:
         raise ValueError(
             f"train.num_rollout_batches={chunks} makes rollout chunks of {local_n // chunks} samples, which splits a prompt "
             f"group of {d.group_size} (sampler {cfg.sampler.name} works on whole groups); make it a divisor of the "

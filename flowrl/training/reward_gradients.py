@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from flowrl.balancers.marble import clamp_active, combine, cosines, ema_alpha, harmonize
-from flowrl.training.loop import timed
+from flowrl.training.clock import timed
+from flowrl.types import GradientBalancer
 
 SINGLE, PROBE, EXACT, FULL = "single", "probe", "exact", "full"
 
@@ -24,12 +25,22 @@ class RewardGradients:
         single  one backward on the recipe's loss at Σ ᾱ_k A_k (amortized steps between refreshes)
         probe   single, plus the K per-reward gradients only to log their cosine with the update (any balancer)
 
-    `marble` is the MarbleBalancer (None: only probe, when `probe` is set). α lives here and is written back to the
-    balancer, whose advantages are then Σ ᾱ_k A_k. Every process computes the same α: the QP is solved on the
-    all-reduced gradients. Needs data parallel (FSDP2 / ZeRO-2 own the gradients inside backward).
+    `marble` is the balancer whose `needs()` holds "reward_gradients" (flowrl.types.GradientBalancer: MARBLE; None:
+    only probe, when `probe` is set). α lives here and is written back to the balancer, whose advantages are then
+    Σ ᾱ_k A_k. Every process computes the same α: the QP is solved on the all-reduced gradients. Needs data parallel
+    (FSDP2 / ZeRO-2 own the gradients inside backward).
     """
 
-    def __init__(self, marble, opt, accelerator, names: list[str], affine: bool, adv_clip_max: float | None, probe: bool):
+    def __init__(
+        self,
+        marble: GradientBalancer | None,
+        opt,
+        accelerator,
+        names: list[str],
+        affine: bool,
+        adv_clip_max: float | None,
+        probe: bool,
+    ):
         if marble is not None and marble.form == "amortized" and not affine:
             raise ValueError(
                 "balancer marble: form='amortized' needs a loss affine in the advantage (the NFT recipe); this recipe's "
@@ -98,6 +109,15 @@ class RewardGradients:
             self.seconds += tic.seconds()
         if kl_loss is not None and not self.single:
             self.opt.backward(kl_loss, boundary)
+
+    def backward_step(self, loss: torch.Tensor, loss_of, per_reward: torch.Tensor, outside, boundary: bool) -> None:
+        """One backward of a recipe's stage 6: each reward's `loss_of(A_k)` and the terms `outside` the balancing (None:
+        none) where this window takes per-reward gradients (full, exact, probe), then the recipe's own `loss` where it
+        runs its own backward (single, probe)."""
+        if self.mode != SINGLE:
+            self.backward(loss_of, per_reward, outside, boundary)
+        if self.single:
+            self.opt.backward(loss, boundary=boundary)
 
     def finish(self) -> None:
         """Before `opt.step`: reduce g_k over processes, combine them into .grad (full, exact) and log the cosines."""

@@ -14,15 +14,23 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 
 CHECKPOINTS = "checkpoints"  # <run>/checkpoints/step_XXXXXX
+STEP_NAME = re.compile(r"step_(\d+)")
 
 
 def step_dir_name(step: int | None) -> str:
     """Folder name of one evaluation or checkpoint: 'step_000120'; None is the base model ('base')."""
     return "base" if step is None else f"step_{int(step):06d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a 'step_000120' folder name stands for (step_dir_name's inverse); None for any other name ('base')."""
+    match = STEP_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 class RunFolder:

@@ -6,7 +6,7 @@ overlapping the next rollout chunk), apply the one reward-error policy, gather o
     local = scorer.collect()                                                     # Scores of this process
     scores, failed, group_ids = gather_scores(accelerator, local, batch.group_ids)
 
-Policy (DESIGN.md "Contracts"): NaN is "not applicable" (the sample takes no part in that reward). An
+Policy (the Reward contract, flowrl/reward_contract.py): NaN is "not applicable" (the sample takes no part in that reward). An
 exception, a wrong length or an infinite score is an error: raised (`raise`), or, with `skip_sample`, only
 the samples that fail on their own are dropped (the chunk is re-scored sample by sample to find them); a
 dropped sample has NaN in every reward and `failed` set, and the trainer gives it no loss.
@@ -24,7 +24,7 @@ import torch
 from flowrl.advantages import group_advantages
 from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_scores, score_checked
-from flowrl.training.loop import timed
+from flowrl.training.clock import timed
 from flowrl.types import RewardOutput, Rollout
 
 POLICIES = ("raise", "skip_sample")
@@ -202,7 +202,7 @@ def rollout_and_score(sampler, model, batch, scorer: Scorer, num_chunks: int, st
     score_fn = ranking_score_fn(scorer, weights or {})
     model.transformer.eval()
     for c in range(num_chunks):
-        tic = timed(model.device)  # synchronised on CUDA (flowrl.training.runs.Clock)
+        tic = timed(model.device)  # synchronised on CUDA (flowrl.training.clock.Clock)
         part = sampler(model, batch.select(slice(c * chunk, (c + 1) * chunk)), score_fn=score_fn, step=step)
         seconds += tic.seconds()
         parts.append(part)

@@ -169,8 +169,8 @@ def test_sample_with_a_trained_checkpoints_lora_equals_the_trained_model_in_proc
 
     batch = PromptBatch(prompts, torch.arange(2), seeds=torch.full((2,), seed))
     sampler = SAMPLERS.get("ode")(num_steps=steps)
-    trainer.model.transformer.eval()
-    trained = media.to_uint8(sampler(trainer.model, batch).images).permute(0, 2, 3, 1).numpy()
+    trainer.parts.model.transformer.eval()
+    trained = media.to_uint8(sampler(trainer.parts.model, batch).images).permute(0, 2, 3, 1).numpy()
     base = media.to_uint8(sampler(load_flow_model("toy"), batch).images).permute(0, 2, 3, 1).numpy()
     for i in range(len(prompts)):
         assert np.array_equal(written[i], trained[i]), i

@@ -1,4 +1,4 @@
-"""One contract test over every registered reward (DESIGN.md "Contracts"), on tiny random weights in the
+"""One contract test over every registered reward (flowrl/reward_contract.py), on tiny random weights in the
 official checkpoint formats, loaded by each plugin's own loading code."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Sampler contract (DESIGN.md, Contracts), checked for every registered sampler on the shipped toy model.
+"""The Sampler contract (flowrl/types.py), checked for every registered sampler on the shipped toy model.
 
 Parametrized over `SAMPLERS.names()`, so a sampler added later is covered without editing this file. Each one is
 built from its dataclass fields with small sizes (3 steps, the toy's native 32x32) and given a deterministic
@@ -13,7 +13,7 @@ import torch
 from flowrl import sde
 from flowrl.models import load_flow_model
 from flowrl.registry import SAMPLERS
-from flowrl.types import PromptBatch, Rollout
+from flowrl.types import PromptBatch, Rollout, Sampler
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -142,3 +142,27 @@ def test_the_step_argument_is_accepted(model, name):
     batch = make_batch([0])
     r = sample(build(name), model, batch, step=5)
     assert r.paths().shape[1] == r.num_steps + 1 and r.prompts == batch.prompts
+
+
+def protocol_members(protocol) -> set[str]:
+    """The attributes and methods a Protocol declares (its own and its bases')."""
+    out = set()
+    for cls in protocol.__mro__:
+        if cls is object or cls.__name__ in ("Protocol", "Generic"):
+            continue
+        out |= set(getattr(cls, "__annotations__", {}))
+        out |= {n for n, v in vars(cls).items() if callable(v) and (not n.startswith("_") or n == "__call__")}
+    return out
+
+
+@pytest.mark.parametrize("name", SAMPLERS.names())
+def test_every_protocol_member_is_declared(model, name):
+    sampler = build(name)
+    missing = sorted(m for m in protocol_members(Sampler) if not hasattr(sampler, m))
+    assert not missing, f"sampler {name} lacks {missing} of flowrl.types.Sampler"
+    steps, stochastic = sampler.trained_steps(model), sampler.trained_steps(model, stochastic_only=True)
+    assert steps.dtype == stochastic.dtype == torch.bool and steps.shape == stochastic.shape == (sampler.num_steps,)
+    assert not (stochastic & ~steps).any()
+    rollout = sample(sampler, model, make_batch())
+    assert stochastic[rollout.transitions[:, 1]].all()  # every trainable transition lies on a step it states
+    assert all(isinstance(k, str) and isinstance(v, float) for k, v in sampler.rollout_metrics(rollout).items())

@@ -10,7 +10,8 @@ import torch
 from flowrl.models import load_flow_model
 from flowrl.registry import SAMPLERS
 from flowrl.trainers import build_config
-from flowrl.trainers.grpo import GRPOTrainer, transition_advantages
+from flowrl.trainers.grpo import GRPOTrainer
+from flowrl.trainers.tree_credit import transition_advantages
 from flowrl.types import PromptBatch, RewardOutput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
@@ -270,7 +271,7 @@ def test_tree_settings_that_cannot_run_are_one_line_config_errors(tmp_path):
 def randomize_adapter(trainer):
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
-        for name, p in trainer.model.transformer.named_parameters():
+        for name, p in trainer.parts.model.transformer.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
@@ -281,12 +282,12 @@ def test_on_policy_ratio_of_every_edge_is_exactly_one(tmp_path, precision, rowwi
     trainer = GRPOTrainer(toy_tree_config(tmp_path, **{"model.mixed_precision": precision, "train.kl_coef": 0.1}))
     randomize_adapter(trainer)
     if rowwise:
-        trainer.model = OneRowAtATime(trainer.model)
+        trainer.parts.model = OneRowAtATime(trainer.parts.model)
     seen = {}
     original = trainer._optimise
 
     def optimise(rollout, advantages, keep, *rest):
-        seen["credit"] = transition_advantages(rollout, advantages, keep, trainer.cfg.train, trainer.step, 2)
+        seen["credit"] = transition_advantages(rollout, advantages, keep, trainer.parts.cfg.train.tree, trainer.parts.step, 2)
         return original(rollout, advantages, keep, *rest)
 
     trainer._optimise = optimise
@@ -305,9 +306,9 @@ def test_on_policy_ratio_of_every_edge_is_exactly_one(tmp_path, precision, rowwi
 def test_a_grpo_step_on_tree_edges_moves_the_weights_and_resumes_identically(tmp_path):
     cfg = toy_tree_config(tmp_path / "a", **{"train.learning_rate": 1e-2, "checkpoint.every_n_steps": 1})
     straight = GRPOTrainer(cfg)
-    before = [p.detach().clone() for p in straight.opt.params]
+    before = [p.detach().clone() for p in straight.parts.opt.params]
     straight.train()
-    assert any(not torch.equal(a, b) for a, b in zip(before, straight.opt.params))
+    assert any(not torch.equal(a, b) for a, b in zip(before, straight.parts.opt.params))
     # interrupted after step 1, resumed for step 2
     GRPOTrainer(toy_tree_config(tmp_path / "b", **{"train.learning_rate": 1e-2, "num_steps": 1})).train()
     resumed = GRPOTrainer(
@@ -316,5 +317,5 @@ def test_a_grpo_step_on_tree_edges_moves_the_weights_and_resumes_identically(tmp
         )
     )
     resumed.train()
-    for a, b in zip(straight.opt.params, resumed.opt.params):
+    for a, b in zip(straight.parts.opt.params, resumed.parts.opt.params):
         assert torch.equal(a, b)

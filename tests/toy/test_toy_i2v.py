@@ -170,8 +170,8 @@ def test_one_grpo_step_on_the_i2v_config_carries_the_sources(tmp_path):
     assert cfg.sampler.kwargs["same_latent"] is True
     assert data["sampler"] == {**yaml.safe_load(open("configs/toy/grpo_i2v.yaml"))["sampler"]}  # only the sources differ
     trainer = build_trainer(cfg)
-    assert trainer.model.source_weight == W and conditioning_kind(trainer.model) == "image"
-    original, seen = trainer.sampler, []
+    assert trainer.parts.model.source_weight == W and conditioning_kind(trainer.parts.model) == "image"
+    original, seen = trainer.parts.sampler, []
 
     class Recording:
         def __getattr__(self, name):
@@ -181,7 +181,7 @@ def test_one_grpo_step_on_the_i2v_config_carries_the_sources(tmp_path):
             seen.append(original(*args, **kwargs))
             return seen[-1]
 
-    trainer.sampler = Recording()
+    trainer.parts.sampler = Recording()
     metrics = trainer.train_step()
     assert metrics["train/optimizer_steps"] == 1 and "reward/toy_attributes/mean" in metrics
     rollout = seen[0]

@@ -85,7 +85,7 @@ def row_config(row: dict, output_dir: str, name: str):
 
 
 def trainable(trainer) -> dict:
-    return {n: p.detach().clone().contiguous() for n, p in trainer.model.transformer.named_parameters() if p.requires_grad}
+    return {n: p.detach().clone().contiguous() for n, p in trainer.parts.model.transformer.named_parameters() if p.requires_grad}
 
 
 def main(rows_file: str, out: str) -> None:

@@ -33,8 +33,8 @@ if __name__ == "__main__":
     trainer = build_trainer(load_config(config, []))
     trainer.train()
     out = {
-        "trainable": dtypes(trainer.opt.params),
-        "ema": dtypes(trainer.ema.shadow.values()),
+        "trainable": dtypes(trainer.parts.opt.params),
+        "ema": dtypes(trainer.parts.ema.shadow.values()),
         "old": dtypes(trainer.old_params.values()),
         "policies": policies,
     }

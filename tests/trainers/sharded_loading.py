@@ -65,5 +65,5 @@ if __name__ == "__main__":
     record(events)
     trainer = build_trainer(load_config(config, []))
     trainer.train()
-    out = {"events": events, "device": str(trainer.accelerator.device), **placement(trainer.model)}
+    out = {"events": events, "device": str(trainer.parts.accelerator.device), **placement(trainer.parts.model)}
     (folder / f"placement_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(out))

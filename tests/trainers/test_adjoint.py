@@ -217,7 +217,7 @@ def test_bad_settings_are_one_line_errors(tmp_path):
 
 def test_full_fine_tuning_uses_a_frozen_copy_as_the_base(tmp_path):
     trainer = build_trainer(am_config(tmp_path, **{"model.use_lora": False, "train.learning_rate": 1e-4}))
-    model = trainer.model
+    model = trainer.parts.model
     x = torch.randn(2, *model.latent_shape(32, 32), generator=torch.Generator().manual_seed(0))
     cond, sigma = model.encode(["one blue square", "two green circles"]), torch.tensor([0.7, 0.3])
     trainer.train_step()
@@ -227,7 +227,7 @@ def test_full_fine_tuning_uses_a_frozen_copy_as_the_base(tmp_path):
             v_base = model.velocity(x, sigma, cond, 1.0)
         assert model.velocity(x, sigma, cond, 1.0).equal(v)  # the trained transformer is back after the block
     assert (v - v_base).abs().max() > 0
-    assert not any(p.requires_grad for p in trainer.base.parameters())
+    assert not any(p.requires_grad for p in trainer.parts.base_copy.parameters())
 
 
 def test_a_differentiable_redness_reward_makes_the_policy_paint_more_red(tmp_path):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_grpo_fixes import captured_gradients, randomize_adapter, toy_config
+from test_grpo_precision_and_batching import captured_gradients, randomize_adapter, toy_config
 
 from flowrl.losses import ais_mixture
 from flowrl.models import load_flow_model

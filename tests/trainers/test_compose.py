@@ -18,6 +18,7 @@ from test_trainer_contract import assert_same, has_reward_signal
 from flowrl.cli import main
 from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.trainers import TRAINERS, build_trainer, compose
+from flowrl.training.loop import resume_recipe, save_recipe
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -62,14 +63,13 @@ def test_the_matrix_is_the_registries_product_with_the_declared_variants(rows):
 
 
 def test_every_refused_triple_is_refused_at_config_time_with_its_why(tmp_path, rows, monkeypatch):
-    import flowrl.trainers.grpo as grpo_module
+    import flowrl.trainers.kit as kit
 
     def no_model(*args, **kwargs):
         raise AssertionError("a refused triple got as far as building the model")
 
-    for module in ("grpo", "nft", "ram", "adjoint"):
-        monkeypatch.setattr(f"flowrl.trainers.{module}.build_policy", no_model)
-    assert grpo_module.build_policy is no_model
+    monkeypatch.setattr("flowrl.trainers.kit.build_policy", no_model)  # every recipe builds its model there
+    assert kit.build_policy is no_model
     refused = [r for r in rows if not r["works"]]
     assert refused
     for i, row in enumerate(refused):
@@ -81,15 +81,15 @@ def test_every_refused_triple_is_refused_at_config_time_with_its_why(tmp_path, r
 def training_state(trainer) -> dict:
     """Everything a checkpoint holds, read from the live trainer (copies): weights, optimizer and scheduler state, EMA,
     the recipe's own adapters (NFT, RAM: the old policy), MARBLE's α and clock, the step and counters."""
-    weights, optimizer = trainer.opt.full_state(True)
+    weights, optimizer = trainer.parts.opt.full_state(True)
     state = {
         "trainable": {k: v.clone() for k, v in weights.items()},
         "optimizer": copy.deepcopy(optimizer),
-        "optimizer_counters": trainer.opt.state_dict(),
-        "lr_scheduler": trainer.opt.lr_scheduler.state_dict(),
-        "step": trainer.step,
-        "counters": dict(trainer.counters),
-        "ema": None if trainer.ema is None else {k: v.clone() for k, v in trainer.ema.shadow.items()},
+        "optimizer_counters": trainer.parts.opt.state_dict(),
+        "lr_scheduler": trainer.parts.opt.lr_scheduler.state_dict(),
+        "step": trainer.parts.step,
+        "counters": dict(trainer.parts.counters),
+        "ema": None if trainer.parts.ema is None else {k: v.clone() for k, v in trainer.parts.ema.shadow.items()},
     }
     if hasattr(trainer, "old_params"):
         state["old"] = {k: v.detach().clone() for k, v in trainer.old_params.items()}
@@ -146,11 +146,11 @@ def test_every_working_pair_steps_resumes_and_matches_two_processes(tmp_path, ro
             assert has_reward_signal(first), (row, first)  # composition.REWARDS give every group spread
             assert math.isfinite(first["train/loss"]), row
             one_process.append((trainable(trainer), first["train/grad_norm"]))
-            step1 = trainer.save()
+            step1 = save_recipe(trainer)
             second = trainer.train_step()
             straight = training_state(trainer)
-            trainer.resume(step1)
-            assert trainer.step == 1, row
+            resume_recipe(trainer, step1)
+            assert trainer.parts.step == 1, row
             again = trainer.train_step()
             assert again["train/loss"] == second["train/loss"], row
             assert_same(straight, training_state(trainer), str(row))

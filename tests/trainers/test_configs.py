@@ -135,14 +135,14 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
         ],
     )
     trainer = build_trainer(cfg)
-    before = [p.detach().clone() for p in trainer.opt.params]
+    before = [p.detach().clone() for p in trainer.parts.opt.params]
     metrics = trainer.train_step()
     own = OWN_METRIC[cfg.trainer]
     assert all(k in metrics for k in ("train/loss", own, f"reward/{cfg.rewards[0].name}/mean"))
     assert metrics["train/optimizer_steps"] == 2
     if any(r.name == "image_consistency" for r in cfg.rewards):  # the source image reached the reward through the step
         assert metrics["reward/image_consistency/mean"] == metrics["reward/image_consistency/mean"]  # not NaN
-    assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.opt.params))
+    assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.parts.opt.params))
 
 
 @pytest.mark.parametrize(

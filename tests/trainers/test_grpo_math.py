@@ -49,11 +49,11 @@ def run_one_step(cfg):
     trainer = GRPOTrainer(cfg)
     with torch.no_grad():  # a trained-looking adapter, so that policy and reference differ
         gen = torch.Generator().manual_seed(0)
-        for name, p in trainer.model.transformer.named_parameters():
+        for name, p in trainer.parts.model.transformer.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     captured, seen = {}, {}
-    original_optimise, original_step = trainer._optimise, trainer.opt.step
+    original_optimise, original_step = trainer._optimise, trainer.parts.opt.step
 
     def optimise(rollout, advantages, keep, *rest):  # rest: the per-reward advantages (MARBLE's)
         # shift some stored log-probs so that ratios leave the clip band on both sides
@@ -63,18 +63,18 @@ def run_one_step(cfg):
         return original_optimise(rollout, advantages, keep, *rest)
 
     def step(losses):
-        for name, p in zip(trainer.opt.names, trainer.opt.params):
+        for name, p in zip(trainer.parts.opt.names, trainer.parts.opt.params):
             captured[name] = captured.get(name, 0) + p.grad.detach().clone()
         return original_step(losses)
 
-    trainer._optimise, trainer.opt.step = optimise, step
+    trainer._optimise, trainer.parts.opt.step = optimise, step
     trainer.train_step()
     return trainer, seen["rollout"], seen["advantages"], captured
 
 
 def hand_objective(trainer, rollout, advantages):
     """mean over samples and their stochastic transitions of max(−Aρ, −A clip(ρ)) + β KL_code, by hand."""
-    model, sigmas = trainer.model, rollout.sigmas.tolist()
+    model, sigmas = trainer.parts.model, rollout.sigmas.tolist()
     total, terms = 0.0, 0
     for i in range(len(rollout.prompts)):
         cond = {k: v[i : i + 1] for k, v in rollout.cond.items()}
@@ -112,11 +112,11 @@ def sd3(tiny_pipeline):
 def test_step_gradient_equals_the_hand_built_objective(tmp_path, sd3):
     trainer, rollout, advantages, grads = run_one_step(config(tmp_path, sd3, 1, 1))
     assert advantages.abs().max() > 0.5  # the surrogate carries signal
-    trainer.model.transformer.zero_grad(set_to_none=True)
+    trainer.parts.model.transformer.zero_grad(set_to_none=True)
     hand_objective(trainer, rollout, advantages).backward()
     largest = max(float(g.abs().max()) for g in grads.values())
     assert largest > 0
-    for name, p in zip(trainer.opt.names, trainer.opt.params):
+    for name, p in zip(trainer.parts.opt.names, trainer.parts.opt.params):
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6 * largest, msg=name)
 
 

@@ -48,7 +48,7 @@ def test_reference_forward_has_the_adapter_disabled(tmp_path, sd3, tiny_model):
     cfg = tiny_config(tmp_path, sd3)
     trainer = GRPOTrainer(cfg)
     with torch.no_grad():
-        for name, p in trainer.model.transformer.named_parameters():
+        for name, p in trainer.parts.model.transformer.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.5)  # a trained-looking adapter
     base = tiny_model("sd3")  # the same pipeline without any adapter
@@ -56,9 +56,9 @@ def test_reference_forward_has_the_adapter_disabled(tmp_path, sd3, tiny_model):
     cond = base.encode(["a red cat", "a blue dog"], guidance_scale=2.0)
     with torch.no_grad():
         v_base = base.velocity(x, 0.6, cond, 2.0)
-        with trainer.model.adapter_disabled():
-            v_ref = trainer.model.velocity(x, 0.6, cond, 2.0)
-        v_policy = trainer.model.velocity(x, 0.6, cond, 2.0)
+        with trainer.parts.model.adapter_disabled():
+            v_ref = trainer.parts.model.velocity(x, 0.6, cond, 2.0)
+        v_policy = trainer.parts.model.velocity(x, 0.6, cond, 2.0)
     torch.testing.assert_close(v_ref, v_base, rtol=0, atol=1e-6)
     assert (v_policy - v_base).abs().max() > 1e-3
 
@@ -70,9 +70,9 @@ def test_training_moves_the_adapter_and_logs(tmp_path, sd3):
         **{"train.num_minibatches": 2, "train.num_rollout_batches": 2, "train.use_async_rewards": True, "train.kl_coef": 0.01},
     )
     trainer = GRPOTrainer(cfg)
-    before = [p.detach().clone() for p in trainer.opt.params]
+    before = [p.detach().clone() for p in trainer.parts.opt.params]
     out = trainer.train()
-    assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.opt.params))
+    assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.parts.opt.params))
     lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
     for key in (
@@ -136,11 +136,13 @@ def test_nan_means_not_applicable(tmp_path, sd3):
 
 def test_non_finite_loss_skips_then_stops(tmp_path, sd3):
     trainer = GRPOTrainer(tiny_config(tmp_path, sd3, **{"train.max_consecutive_nan_steps": 2}))
-    before = [p.detach().clone() for p in trainer.opt.params]
-    trainer.opt.step(torch.tensor([float("nan")]))
-    assert trainer.opt.counters["skipped_nan_steps"] == 1 and all(torch.equal(a, b) for a, b in zip(before, trainer.opt.params))
+    before = [p.detach().clone() for p in trainer.parts.opt.params]
+    trainer.parts.opt.step(torch.tensor([float("nan")]))
+    assert trainer.parts.opt.counters["skipped_nan_steps"] == 1 and all(
+        torch.equal(a, b) for a, b in zip(before, trainer.parts.opt.params)
+    )
     with pytest.raises(FloatingPointError, match="2 optimizer steps in a row"):
-        trainer.opt.step(torch.tensor([float("inf")]))
+        trainer.parts.opt.step(torch.tensor([float("inf")]))
 
 
 # ---------------------------------------------------------------------------------------------- bad input

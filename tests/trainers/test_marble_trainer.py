@@ -13,6 +13,7 @@ from test_nft_trainer import PROMPTS, RedPixelsReward, measured_red, nft_config
 from flowrl.balancers import MarbleBalancer
 from flowrl.balancers.marble import harmonize
 from flowrl.trainers import build_config, build_trainer
+from flowrl.training.loop import resume_recipe
 from flowrl.training.optim import OptimizerConfig, OptimizerStep
 from flowrl.types import RewardOutput
 
@@ -216,7 +217,7 @@ def test_resume_restores_alpha_and_the_refresh_clock(tmp_path):
     first = build_trainer(nft_config(tmp_path, **overrides))
     first.train()
     resumed = build_trainer(nft_config(tmp_path, **{**overrides, "num_steps": 2, "checkpoint.resume": "latest"}))
-    resumed.resume(first.run.checkpoints / "step_000001")
+    resume_recipe(resumed, first.parts.run.checkpoints / "step_000001")
     assert resumed.reward_grads.windows == first.reward_grads.windows == 2
     assert torch.equal(resumed.reward_grads.alpha, first.reward_grads.alpha)
-    assert torch.equal(resumed.balancer.alpha, first.balancer.alpha)  # the balancer's Σ ᾱ_k A_k uses it
+    assert torch.equal(resumed.parts.balancer.alpha, first.parts.balancer.alpha)  # the balancer's Σ ᾱ_k A_k uses it

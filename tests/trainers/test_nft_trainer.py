@@ -64,7 +64,7 @@ def measured_red(trainer):
     from flowrl.bench.accuracy import sample_images
 
     prompts = [p for p in PROMPTS for _ in range(8)]
-    images = sample_images(trainer.model, prompts, list(range(500, 500 + len(prompts))), 8, 1.0)
+    images = sample_images(trainer.parts.model, prompts, list(range(500, 500 + len(prompts))), 8, 1.0)
     return float(red_fraction(images).mean())
 
 
@@ -78,7 +78,7 @@ def test_a_reward_for_red_pixels_makes_the_policy_paint_more_red(tmp_path):
 
 def test_adapters_start_at_the_reference_and_old_follows_theta(tmp_path):
     trainer = build_trainer(nft_config(tmp_path, **{"train.decay_type": 0}))
-    model = trainer.model
+    model = trainer.parts.model
     x = torch.randn(2, *model.latent_shape(32, 32), generator=torch.Generator().manual_seed(0))
     cond, sigma = model.encode(PROMPTS[:2]), torch.tensor([0.7, 0.3])
 

@@ -99,7 +99,7 @@ def flow_matching_loss(model, x0, cond, seed=123, k=16):
 
 def test_one_step_raises_the_likelihood_of_high_advantage_endpoints(tmp_path):
     trainer = build_trainer(ram_config(tmp_path, **{"train.learning_rate": 3e-3, "train.num_loss_targets_per_sample": 8}))
-    model = trainer.model
+    model = trainer.parts.model
     prompts = PROMPTS * 2
     cond = model.encode(prompts)
     with torch.no_grad():  # 8 of the model's own endpoints (the toy decodes x0 ↦ (x0 + 1) / 2), half favoured
@@ -108,7 +108,7 @@ def test_one_step_raises_the_likelihood_of_high_advantage_endpoints(tmp_path):
     before = flow_matching_loss(model, x0, cond)
     draws = [torch.Generator().manual_seed(10 + i) for i in range(8)]
     times, noises = training_draws(draws, tuple(x0.shape[1:]), 8, 1.0)
-    trainer.local_n = 8
+    trainer.parts.local_n = 8
     trainer._optimise(x0, cond, advantages, torch.ones(8, dtype=torch.bool), times, noises)
     after = flow_matching_loss(model, x0, cond)
     change = after - before  # lower loss = higher likelihood
@@ -127,7 +127,7 @@ def test_a_reward_for_red_pixels_makes_the_policy_paint_more_red(tmp_path):
 def test_old_policy_and_loss_guidance(tmp_path):
     trainer = build_trainer(ram_config(tmp_path, **{"sampler.guidance_scale": 4.5, "train.old_decay_ramp": 0.0}))
     assert trainer.guidance == 1.0 and trainer.rollout_guidance == 4.5  # CFG in the rollout, none in the loss
-    model = trainer.model
+    model = trainer.parts.model
     x = torch.randn(2, *model.latent_shape(32, 32), generator=torch.Generator().manual_seed(0))
     cond, sigma = model.encode(PROMPTS[:2]), torch.tensor([0.7, 0.3])
     trainer.train_step()

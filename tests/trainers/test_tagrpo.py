@@ -170,6 +170,8 @@ def test_coef_zero_trains_exactly_as_plain_grpo(tmp_path):
 def test_the_alignment_loss_moves_the_step_mean_toward_better_members(tmp_path):
     """Only the alignment term (advantages 0, no KL): one optimizer step on one rollout lowers the normalised distance
     of each trained transition's step mean to its better members' next latents (4 inner epochs on one rollout)."""
+    from flowrl.balancers import weighted_total
+    from flowrl.experimental.tagrpo import step_alignment
     from flowrl.training.scoring import balance_per_reward, rollout_and_score
 
     cfg = toy_config(
@@ -185,17 +187,19 @@ def test_the_alignment_loss_moves_the_step_mean_toward_better_members(tmp_path):
         },
     )
     trainer = build_trainer(cfg)
-    batch = trainer.prompt_sampler.local_batch(0, 0, 1)
-    rollout, local, _ = rollout_and_score(trainer.sampler, trainer.model, batch, trainer.scorer, 1, 0, trainer.weights)
-    _, per_reward, keep, _, _ = balance_per_reward(trainer.accelerator, local, batch, trainer.balancer, trainer.weights)
-    alignment = trainer._alignment(rollout, batch, local, keep)
+    batch = trainer.parts.prompt_sampler.local_batch(0, 0, 1)
+    parts = trainer.parts
+    rollout, local, _ = rollout_and_score(parts.sampler, parts.model, batch, parts.scorer, 1, 0, parts.weights)
+    _, per_reward, keep, _, _ = balance_per_reward(parts.accelerator, local, batch, parts.balancer, parts.weights)
+    combined = weighted_total(local.scores, parts.weights)
+    alignment = step_alignment(cfg.train.tagrpo, trainer.bank, rollout, batch, combined, keep.cpu() & ~local.failed, 0)
 
     def distance() -> float:
         rows, steps = rollout.transitions[:, 0], rollout.transitions[:, 1]
         with torch.no_grad():
             x, x_next = rollout.states(rows, steps), rollout.states(rows, steps + 1)
             sig = rollout.sigmas
-            v = trainer.model.velocity(x, sig[steps], {k: c[rows] for k, c in rollout.cond.items()}, 1.0)
+            v = trainer.parts.model.velocity(x, sig[steps], {k: c[rows] for k, c in rollout.cond.items()}, 1.0)
             _, _, mean, std = rollout.rule.step(
                 v, x, sig[steps], sig[steps + 1], rollout.noise_levels[rows, steps], prev_sample=x_next
             )

@@ -63,7 +63,7 @@ def toy_config(tmp_path, trainer, **overrides):
 
 
 def trainable(trainer):
-    return {n: p.detach().clone() for n, p in trainer.model.transformer.named_parameters() if p.requires_grad}
+    return {n: p.detach().clone() for n, p in trainer.parts.model.transformer.named_parameters() if p.requires_grad}
 
 
 def assert_same(a, b, where="state"):

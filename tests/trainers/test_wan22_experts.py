@@ -54,7 +54,7 @@ def a14b_config(tmp_path, pipeline, trainer, expert, **sampler):
 def trained_sigmas(trainer) -> list[float]:
     """Record the σ of every velocity row computed with gradient (the rows a backward reaches)."""
     seen: list[float] = []
-    velocity = trainer.model.velocity
+    velocity = trainer.parts.model.velocity
 
     def spy(latents, sigma, cond, guidance_scale):
         if torch.is_grad_enabled():
@@ -62,7 +62,7 @@ def trained_sigmas(trainer) -> list[float]:
             seen.extend(sigma.tolist())
         return velocity(latents, sigma, cond, guidance_scale)
 
-    trainer.model.velocity = spy
+    trainer.parts.model.velocity = spy
     return seen
 
 
@@ -70,10 +70,10 @@ def trained_sigmas(trainer) -> list[float]:
 @pytest.mark.parametrize("name", ["grpo", "nft", "ram"])
 def test_one_step_trains_only_the_configured_expert(tmp_path, tiny_pipeline, name, expert):
     trainer = build_trainer(a14b_config(tmp_path, tiny_pipeline("wan22_a14b"), name, expert))
-    pipe = trainer.model.pipe
+    pipe = trainer.parts.model.pipe
     trained, frozen = (pipe.transformer, pipe.transformer_2) if expert == "high" else (pipe.transformer_2, pipe.transformer)
-    assert trainer.model.transformer is trained
-    lo, hi = trainer.model.trainable_sigma_range()
+    assert trainer.parts.model.transformer is trained
+    lo, hi = trainer.parts.model.trainable_sigma_range()
     assert (lo, hi) == pytest.approx((0.7, 1.0) if expert == "high" else (0.0, 0.7))
     lora = {n: p.detach().clone() for n, p in trained.named_parameters() if "lora_B" in n}
     frozen_before = {n: p.detach().clone() for n, p in frozen.state_dict().items()}

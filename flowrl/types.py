@@ -278,6 +278,20 @@ class Reward(Protocol):
 ScoreFn = Callable[[torch.Tensor, list[str], list[dict[str, Any]]], torch.Tensor]
 
 
+CARRIES = {  # what a sampler's rollouts may hold (Sampler.carries())
+    "clean_endpoints": "the clean endpoint x0 of every sample",
+    "log_probs": "behaviour log-probs of stochastic transitions (a policy-gradient ratio can be taken)",
+    "per_edge": "transitions shared by several samples (a tree's edges): credit is per edge, not per sample",
+    "memoryless": "the memoryless SDE of the current model on a grid short of σ = 1 (adjoint matching's law)",
+}
+NEEDS = {  # what a balancer may ask of the trainer (Balancer.needs()), beyond one advantage per sample
+    "sample_mask": "the samples the balancer's `keep` masks take no part in the loss",
+    "reward_gradients": "each reward's loss is backpropagated on its own (MARBLE balances the K gradients)",
+    "per_sample_advantages": "a sample's advantage trains its whole rollout (not fused up a tree's edges)",
+    "affine_loss": "the loss's gradient is affine in the advantage, so one backward on Σ α_k A_k = Σ α_k ∇ℓ(A_k)",
+}
+
+
 class Sampler(Protocol):
     """Rollouts for a trainer (samplers/: ode, sde, tree, candidates). What a recipe reads of a sampler is declared here,
     not looked up: what its rollouts carry, the steps of its grid that train on a model, its guidance and its metrics."""
@@ -298,7 +312,7 @@ class Sampler(Protocol):
         """`step` is the training step (samplers whose schedule moves with training read it)."""
 
     def carries(self) -> frozenset[str]:
-        """What its rollouts hold for a trainer, in the vocabulary of flowrl.trainers.kit.CARRIES."""
+        """What its rollouts hold for a trainer, in the vocabulary of CARRIES."""
 
     def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor | None:
         """[T] bool: the steps of its grid for `model` that carry a trainable transition (the σ the model trains,
@@ -331,7 +345,7 @@ class Balancer(Protocol):
     recipe_variants: ClassVar[dict[str, dict]]  # the rows `flowrl recipes` lists for it: {suffix: its arguments}
 
     def needs(self) -> frozenset[str]:
-        """What it asks of the trainer beyond one advantage per sample, in the vocabulary of flowrl.trainers.kit.NEEDS
+        """What it asks of the trainer beyond one advantage per sample, in the vocabulary of NEEDS
         ("reward_gradients": a `GradientBalancer` whose per-reward gradients the recipe balances)."""
 
     def __call__(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: dict[str, float]) -> Balance:

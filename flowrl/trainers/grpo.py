@@ -41,11 +41,11 @@ from flowrl.trainers.tree_credit import TreeCreditConfig, shared_counts, transit
 from flowrl.training.checkpoint import read_group
 from flowrl.training.clock import timed
 from flowrl.training.distributed import Sharding, kept_per_process, make_accelerator
-from flowrl.training.loop import train_loop
+from flowrl.training.loop import RecipeConfig, train_loop
 
 
 @dataclass
-class GRPOConfig(kit.RecipeConfig):
+class GRPOConfig(RecipeConfig):
     clip_range: float = 1e-4
     """PPO ε on the ratio of per-element-mean log-probs (Flow-GRPO 1e-4, Fast 1e-5, Wan 1e-3)."""
     kl_coef: float = 0.0

@@ -2,7 +2,7 @@
 its loss stage and its own saved state. A recipe on the kit reads:
 
     class MyTrainer:
-        config_class = MyConfig                       # extends RecipeConfig (optimizer, EMA, minibatch splits)
+        config_class = MyConfig                       # extends training.loop.RecipeConfig (optimizer, EMA, splits)
 
         def __init__(self, cfg, accelerator=None):
             ... validate cfg.train, raise self.composition_error(...) ...
@@ -18,13 +18,12 @@ its loss stage and its own saved state. A recipe on the kit reads:
                 steps.losses.append(loss.detach())
             return kit.finish_step(self.parts, exp, exp.metrics | {...}, tic.seconds())   # 7: step metrics
 
-        def own_state(self): return {}, {}            # what save/resume keep beside the kit's state
-        def load_own_state(self, saved, path): ...
+        own_state(), load_own_state(saved, path)      # what save/resume keep beside the kit's state
         def train(self): return train_loop(self, "my")
 
 What a component offers a recipe is declared, not looked up by name: a sampler states what its rollouts carry
-(`carries()`), a balancer what it asks of the trainer (`needs()`), in the vocabularies below; a recipe's
-`composition_error` judges a (sampler, balancer) pair by them (`flowrl recipes` lists every pair).
+(`carries()`), a balancer what it asks of the trainer (`needs()`), in the vocabularies of flowrl.types (CARRIES,
+NEEDS); a recipe's `composition_error` judges a (sampler, balancer) pair by them (`flowrl recipes` lists every pair).
 """
 
 from __future__ import annotations
@@ -44,25 +43,12 @@ from flowrl.training.clock import Clock, timed
 from flowrl.training.distributed import Sharding
 from flowrl.training.evaluation import TrainingEvaluation
 from flowrl.training.loop import RecipeParts, step_metrics
-from flowrl.training.optim import EMA, OptimizerConfig, OptimizerStep
+from flowrl.training.optim import EMA, OptimizerStep
 from flowrl.training.prompts import step_batches
 from flowrl.training.reward_gradients import RewardGradients
 from flowrl.training.runs import RunFolder
 from flowrl.training.scoring import Scorer, Scores, balance_per_reward, build_rewards, rollout_and_score
-from flowrl.types import PromptBatch, Rollout
-
-CARRIES = {  # what a sampler's rollouts may hold (Sampler.carries())
-    "clean_endpoints": "the clean endpoint x0 of every sample",
-    "log_probs": "behaviour log-probs of stochastic transitions (a policy-gradient ratio can be taken)",
-    "per_edge": "transitions shared by several samples (a tree's edges): credit is per edge, not per sample",
-    "memoryless": "the memoryless SDE of the current model on a grid short of σ = 1 (adjoint matching's law)",
-}
-NEEDS = {  # what a balancer may ask of the trainer (Balancer.needs()), beyond one advantage per sample
-    "sample_mask": "the samples the balancer's `keep` masks take no part in the loss",
-    "reward_gradients": "each reward's loss is backpropagated on its own (MARBLE balances the K gradients)",
-    "per_sample_advantages": "a sample's advantage trains its whole rollout (not fused up a tree's edges)",
-    "affine_loss": "the loss's gradient is affine in the advantage, so one backward on Σ α_k A_k = Σ α_k ∇ℓ(A_k)",
-}
+from flowrl.types import CARRIES, NEEDS, PromptBatch, Rollout
 
 
 def _declared(kind: str, spec: ComponentConfig, component, method: str, vocabulary: dict) -> frozenset[str]:
@@ -89,23 +75,6 @@ def balancer_needs(spec: ComponentConfig) -> frozenset[str]:
 
 
 # ------------------------------------------------------------------------------------------ building a run
-
-
-@dataclass
-class RecipeConfig(OptimizerConfig):
-    """How a step's samples split, for the recipes that roll out, score and optimise in chunks (keys train.*)."""
-
-    num_inner_epochs: int = 1
-    num_minibatches: int = 1
-    """The step's local samples (or items) are split into this many minibatches."""
-    gradient_accumulation_steps: int = 1
-    """Minibatches per optimizer step (must divide num_minibatches)."""
-    num_rollout_batches: int = 1
-    """Rollouts are generated in this many chunks; rewards of one chunk are scored while the next is sampled. Keep
-    chunk and minibatch the same size (num_rollout_batches = num_minibatches) for exact first-pass ratios on
-    accelerators, whose kernels may round differently at another batch size."""
-    use_async_rewards: bool = True
-    """Score rewards in a worker thread, overlapping the next rollout chunk."""
 
 
 def build_parts(

@@ -38,7 +38,7 @@ from flowrl.sigma_range import trainable_steps
 from flowrl.training.checkpoint import load_group_into
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
-from flowrl.training.loop import train_loop
+from flowrl.training.loop import RecipeConfig, train_loop
 from flowrl.types import select_cond
 
 OLD = "old"  # the sampling policy's adapter name; the trained one is "default"
@@ -46,7 +46,7 @@ DECAY_TYPES = (0, 1, 2)
 
 
 @dataclass
-class NFTConfig(kit.RecipeConfig):
+class NFTConfig(RecipeConfig):
     nft_beta: float = 1.0
     """β of the implicit policies v± (DiffusionNFT `config.beta`: 1.0 single reward, 0.1 OCR and multi-reward)."""
     kl_coef: float = 1e-4

@@ -39,14 +39,14 @@ from flowrl.losses import ram_loss, ram_target
 from flowrl.training.checkpoint import load_group_into
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
-from flowrl.training.loop import train_loop
+from flowrl.training.loop import RecipeConfig, train_loop
 from flowrl.types import select_cond
 
 OLD = "old"  # the rollout policy's adapter name; the trained one is "default"
 
 
 @dataclass
-class RAMConfig(kit.RecipeConfig):
+class RAMConfig(RecipeConfig):
     reward_multiplier: float = 100.0
     """m: the target is v_ref + m·A·((ε − x0) − v_old); larger m = weaker pull to the reference (RAM: 100 GenEval /
     OCR, 1000 PickScore, with advantages centred on [0, 1]-range rewards)."""

@@ -11,10 +11,27 @@ import torch
 
 from flowrl.training.checkpoint import resolve_resume, restore_training_state, save_training_state
 from flowrl.training.evaluation import TrainingEvaluation
-from flowrl.training.optim import EMA, OptimizerStep
+from flowrl.training.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.training.prompts import GroupedPromptSampler
 from flowrl.training.runs import RunFolder
 from flowrl.training.scoring import Scorer
+
+
+@dataclass
+class RecipeConfig(OptimizerConfig):
+    """How a step's samples split, for the recipes that roll out, score and optimise in chunks (keys train.*)."""
+
+    num_inner_epochs: int = 1
+    num_minibatches: int = 1
+    """The step's local samples (or items) are split into this many minibatches."""
+    gradient_accumulation_steps: int = 1
+    """Minibatches per optimizer step (must divide num_minibatches)."""
+    num_rollout_batches: int = 1
+    """Rollouts are generated in this many chunks; rewards of one chunk are scored while the next is sampled. Keep
+    chunk and minibatch the same size (num_rollout_batches = num_minibatches) for exact first-pass ratios on
+    accelerators, whose kernels may round differently at another batch size."""
+    use_async_rewards: bool = True
+    """Score rewards in a worker thread, overlapping the next rollout chunk."""
 
 
 @dataclass

@@ -82,7 +82,7 @@ def tail_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     each threshold has probability 1 / n), and A_i = w_i − mean_group(w). With distinct rewards and ascending
     rank ρ this is H_{n−1} − H_{n−ρ} − (n−1)/n (H: harmonic numbers), ≈ −log(1 − quantile) − 1 in a large
     group. Rank-based: any increasing transform of the rewards gives the same advantages. A group of one,
-    a group of equal rewards and NaN rewards get 0. Derivation: docs/math.md#tailrl. Returns [M] float32.
+    a group of equal rewards and NaN rewards get 0. Derivation: docs/math.md#tailrl-the-log-probability-of-clearing-a-random-bar-tail. Returns [M] float32.
     """
     rewards = rewards.float()
     out = torch.zeros_like(rewards)

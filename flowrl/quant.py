@@ -4,7 +4,7 @@
     y = fake_quant_mxfp4(x, rounding="floor")  # MXFP4: 32-element blocks, E8M0 (power-of-two) scales
     preview = build_preview(model.transformer, PreviewSpec(["fake_nvfp4"]))  # a quantized copy of the live policy
 
-The formats and their rounding rules are in docs/math.md#low-precision-previews (ALGORITHMS §4.4). All arithmetic
+The formats and their rounding rules are in docs/math.md#low-precision-previews. All arithmetic
 is float32; rounding is round-to-nearest-even throughout. Fake-quantization = dequantize(quantize(x)): the values
 a real kernel would compute with, on any device, at fp32 speed or slower. Real low-precision speed needs the
 torchao kernels (`nvfp4` on sm_100+, `fp8` on sm_89+); `auto` picks the one this device runs (`resolve_precision`),
@@ -96,7 +96,7 @@ def nvfp4_scales(
 def fake_quant_nvfp4(
     x: torch.Tensor, axis: int = -1, block: int = 16, two_level: bool = True, scale_floor: float = 2**-6, amax=None
 ) -> torch.Tensor:
-    """dequant(quant(x)) in NVFP4 (ALGORITHMS §4.4): blocks of `block` elements along `axis`, E4M3 block scales
+    """dequant(quant(x)) in NVFP4 (docs/math.md#low-precision-previews): blocks of `block` elements along `axis`, E4M3 block scales
     clipped at `scale_floor`, one FP32 tensor scale amax / (448·6) (`amax`: the tensor's own max |x| when None)."""
     codes, encoded, scale, undo = nvfp4_scales(x, axis, block, two_level, scale_floor, amax)
     return _unblock(codes * (scale * encoded), undo)

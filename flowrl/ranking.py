@@ -1,4 +1,4 @@
-"""Selection rules of candidate pools (ALGORITHMS §4.1) and the rank-fidelity statistics of a cheap preview.
+"""Selection rules of candidate pools (docs/recipes/candidates.md) and the rank-fidelity statistics of a cheap preview.
 
     idx = select_indices(preview_scores, k=24, mode="best_worst")      # Sol-RL's contrastive subset of a pool
     spearman(preview, full), kendall(preview, full), topk_overlap(preview, full, k), bottom_intrusion(preview, full, k)

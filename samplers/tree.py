@@ -19,7 +19,7 @@ The Rollout has one row per leaf, in batch order (the trainer scores the decoded
   transitions            every stochastic edge exactly once, in the row of the first leaf below the edge's child;
                          the other rows pass through the same states with noise level 0 and log-prob 0 there
   std_scales [N, T]      the std multiplier each edge's log-prob uses: λ on split edges ('scaled', the density
-                         the child was drawn from) or 1 (BranchGRPO's 'unscaled' quirk, ALGORITHMS Decision 1)
+                         the child was drawn from) or 1 (BranchGRPO's 'unscaled' quirk, docs/recipes/grpo.md#tree-rollouts)
   extras                 tree_nodes [N, T+1] (the row's node id at each depth: its leaf-to-root path; the tree is
                          the row's group id), split_steps, branching, num_trees, num_forwards, nodes_per_step,
                          forward_calls, seeds

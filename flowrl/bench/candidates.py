@@ -18,7 +18,7 @@ backend, in one process, side by side:
 
 The config's own backend is reported at the top level (a kernel backend this machine lacks is stood in for by its
 exact fake-quant emulation, named in "backend", the config's in "config_backend"), every backend under "backends" (a
-backend that cannot run here carries its one-line error). Published figures for comparison under "published" (ALGORITHMS §4.2, §10.2).
+backend that cannot run here carries its one-line error). Published figures for comparison under "published" (docs/recipes/candidates.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Adjoint Matching: reward fine-tuning as stochastic optimal control, as one recipe over the shared components. The
-math is in docs/math.md#adjoint-matching, the recipe and its published settings in docs/recipes/adjoint_matching.md.
+math is in docs/math.md#adjoint-matching, the recipe and its published settings in docs/recipes/adjoint.md#adjoint-matching.
 
     flowrl train configs/toy/adjoint_matching.yaml
     accelerate launch scripts/train.py --config configs/sd3/adjoint_matching_imagereward.yaml

@@ -92,8 +92,7 @@ class GRPOTrainer:
                 f"balancer {balancer.name} trains per-sample advantages; the {sampler.name} sampler's are per edge: use "
                 "sampler sde"
             )
-        tagrpo = getattr(train, "tagrpo", None)
-        if tagrpo is not None and tagrpo.enabled:
+        if train is not None and train.tagrpo.enabled:  # train=None: the matrix's defaults, TAGRPO off
             if sampler.name != "sde" or not sampler.kwargs.get("same_latent", False):
                 return (
                     f"train.tagrpo aligns group members that share their initial noise, which sampler {sampler.name} "

@@ -1,6 +1,6 @@
 """Reinforce Adjoint Matching (RAM): reward-weighted flow matching on the model's own clean samples, as one
 recipe over the shared components. The math is in docs/math.md#reinforce-adjoint-matching, the recipe and its
-published settings in docs/recipes/ram.md.
+published settings in docs/recipes/adjoint.md#ram.
 
     flowrl train configs/toy/ram.yaml
     accelerate launch scripts/train.py --config configs/sd3/ram_pickscore.yaml

@@ -1,0 +1,158 @@
+"""The documentation holds together: every relative link in README.md and docs/ resolves (the file, and the heading
+an `#anchor` names, by GitHub's slug rules), the README stays a manual of at most 16,000 bytes, and no source file
+points its reader at a file outside the repository."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README_MAX_BYTES = 16_000
+# the project's planning documents live outside the repository: cited by file (DESIGN.md) or by section
+# (ALGORITHMS §4.4, ALGORITHMS Decision 1), a reader of the source cannot follow them; cite docs/ instead
+OUTSIDE_FILES = re.compile(r"\b(?:DESIGN|ALGORITHMS|ENVIRONMENT|COSTS)\b|\.\./shared")
+SOURCE_DIRS = ("flowrl", "rewards", "samplers", "scripts")
+
+FENCE = re.compile(r"^\s*(```|~~~)")
+INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1")
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^()\s>]*(?:\([^()\s]*\)[^()\s>]*)*)>?(?:\s+[\"'][^\"']*[\"'])?\s*\)")
+HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+SKIP_SCHEMES = ("http://", "https://", "mailto:")
+
+
+def markdown_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def _outside_fences(text: str):
+    """(line number, line) of every line outside fenced code blocks."""
+    fence = None
+    for number, line in enumerate(text.splitlines(), 1):
+        match = FENCE.match(line)
+        if match:
+            if fence is None:
+                fence = match.group(1)
+            elif match.group(1) == fence:
+                fence = None
+            continue
+        if fence is None:
+            yield number, line
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading's text: markdown links and emphasis reduced to their text, lower case,
+    punctuation removed except hyphens and underscores, each space a hyphen; unicode letters and digits kept."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # [text](url) -> text
+    text = re.sub(r"<[^>]+>", "", text).lower()  # inline HTML tags
+    kept = []
+    for ch in text:
+        category = unicodedata.category(ch)
+        if ch in "-_" or category[0] in "LN" or category == "Mn":
+            kept.append(ch)
+        elif ch == " ":
+            kept.append("-")
+    return "".join(kept)
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for _, line in _outside_fences(path.read_text(encoding="utf-8")):
+        match = HEADING.match(line)
+        if not match:
+            continue
+        base = slug(match.group(2))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        out.add(base if count == 0 else f"{base}-{count}")
+    return out
+
+
+def relative_links(path: Path) -> list[tuple[int, str]]:
+    links = []
+    for number, line in _outside_fences(path.read_text(encoding="utf-8")):
+        for match in LINK.finditer(INLINE_CODE.sub("", line)):
+            target = match.group(1)
+            if target and not target.lower().startswith(SKIP_SCHEMES):
+                links.append((number, target))
+    return links
+
+
+def broken_link(source: Path, target: str) -> str | None:
+    """Why `target` (as written in `source`) does not resolve, or None."""
+    file_part, _, anchor = target.partition("#")
+    resolved = (source.parent / file_part).resolve() if file_part else source
+    if REPO not in resolved.parents and resolved != REPO:
+        return f"{file_part} leaves the repository"
+    if not resolved.exists():
+        return f"{file_part} does not exist"
+    if anchor and resolved.suffix == ".md":
+        if anchor not in anchors(resolved):
+            return f"{resolved.relative_to(REPO)} has no heading with anchor #{anchor}"
+    return None
+
+
+def test_slug_follows_github():
+    assert slug("Sigma-time convention") == "sigma-time-convention"
+    assert slug("Sum then normalise: `weighted_sum`") == "sum-then-normalise-weighted_sum"
+    assert slug("Porting from flow_grpo and DanceGRPO") == "porting-from-flow_grpo-and-dancegrpo"
+    assert slug("MARBLE: balance the per-reward gradients (`marble`)") == "marble-balance-the-per-reward-gradients-marble"
+    assert slug("Why Sol-RL cannot halve NFT's seconds") == "why-sol-rl-cannot-halve-nfts-seconds"
+    assert slug("The σ grid — and more") == "the-σ-grid--and-more"
+    assert slug("See [the math](math.md)") == "see-the-math"
+
+
+def test_duplicate_headings_get_numbered(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Results\n\n## Setup\n\n```\n## Setup\n```\n\n## Setup\n\n## Setup\n", encoding="utf-8")
+    assert anchors(page) == {"results", "setup", "setup-1", "setup-2"}
+
+
+def test_links_skip_code_and_urls(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "[a](b.md) and `[c](d.md)` and [e](https://x.org/f.md) ![g](h.png)\n```\n[i](j.md)\n```\n[k](#l)\n",
+        encoding="utf-8",
+    )
+    assert relative_links(page) == [(1, "b.md"), (1, "h.png"), (5, "#l")]
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(path):
+    broken = [f"{path.relative_to(REPO)}:{n}: [..]({t}): {why}" for n, t in relative_links(path) if (why := broken_link(path, t))]
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_readme_is_a_manual_of_at_most_16kb():
+    size = len((REPO / "README.md").read_bytes())
+    assert size <= README_MAX_BYTES, f"README.md is {size} bytes; move detail into docs/ (at most {README_MAX_BYTES})"
+
+
+def test_outside_files_pattern():
+    for text in ("see DESIGN.md", "(ALGORITHMS §4.4)", "ENVIRONMENT.md", "COSTS.md", "../shared/notes.md"):
+        assert OUTSIDE_FILES.search(text), text
+    for text in ("docs/math.md#precision", "design", "COST_MODEL", "shared prefixes"):
+        assert not OUTSIDE_FILES.search(text), text
+
+
+def test_sources_name_no_file_outside_the_repository():
+    found = []
+    for folder in SOURCE_DIRS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                found += [f"{path.relative_to(REPO)}:{number}: names {m.group(0)}" for m in OUTSIDE_FILES.finditer(line)]
+    assert not found, "files outside the repository named in source (cite docs/ instead):\n" + "\n".join(found)
+
+
+def test_docs_name_no_file_outside_the_repository():
+    found = [
+        f"{path.relative_to(REPO)}:{number}: names {m.group(0)}"
+        for path in markdown_files()
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        for m in OUTSIDE_FILES.finditer(line)
+    ]
+    assert not found, "files outside the repository named in the docs:\n" + "\n".join(found)

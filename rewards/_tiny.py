@@ -246,6 +246,21 @@ def _artifact(folder: Path) -> dict[str, Any]:
     return {"checkpoint": str(folder / "artifact.safetensors")}
 
 
+def _dino(folder: Path) -> dict[str, Any]:
+    """A tiny random Dinov2Model saved as transformers saves facebook/dinov2-base, and one reference image."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    from flowrl import media
+
+    torch.manual_seed(0)
+    config = Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
+    )
+    Dinov2Model(config).save_pretrained(folder / "dinov2")
+    reference = media.save_image(torch.linspace(0, 1, 3 * 30 * 26).view(3, 30, 26), str(folder / "reference.png"))
+    return {"model": str(folder / "dinov2"), "references": [reference], "image_size": 32}
+
+
 TINY_REWARDS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "jpeg_compressibility": lambda folder: {},
     "jpeg_incompressibility": lambda folder: {},
@@ -259,4 +274,5 @@ TINY_REWARDS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "image_consistency": _temporal,  # the same tiny open_clip folder
     "artifact": _artifact,
     "imagereward": make_imagereward_files,
+    "dino_similarity": _dino,
 }

@@ -1,4 +1,5 @@
-"""Tiny checkpoint factories for the reward tests: flowrl.rewards._tiny plus `remote` (an in-thread server)."""
+"""Tiny checkpoint factories for the reward tests: flowrl.rewards._tiny plus `remote` and `remote_flowgrpo` (in-thread
+servers)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,19 @@ def _remote(folder: Path) -> dict[str, Any]:
     return {"url": f"http://127.0.0.1:{server.server_address[1]}", "token": "secret", "timeout_s": 10, "max_retries": 0}
 
 
-REWARD_FACTORIES: dict[str, Callable[[Path], dict[str, Any]]] = {**TINY_REWARDS, "remote": _remote}
+def _remote_flowgrpo(folder: Path) -> dict[str, Any]:
+    from flowgrpo_server import start_server
+
+    server = start_server()
+    _SERVERS.append(server)
+    return {"url": f"http://127.0.0.1:{server.server_address[1]}", "unsafe_unpickle": True, "timeout_s": 10}
+
+
+REWARD_FACTORIES: dict[str, Callable[[Path], dict[str, Any]]] = {
+    **TINY_REWARDS,
+    "remote": _remote,
+    "remote_flowgrpo": _remote_flowgrpo,
+}
 
 # Rewards that only accept prompts of their own world get valid ones in the contract tests.
 CONTRACT_PROMPTS: dict[str, list[str]] = {

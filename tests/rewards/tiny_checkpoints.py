@@ -40,10 +40,19 @@ def _remote_flowgrpo(folder: Path) -> dict[str, Any]:
     return {"url": f"http://127.0.0.1:{server.server_address[1]}", "unsafe_unpickle": True, "timeout_s": 10}
 
 
+def _openai_judge(folder: Path) -> dict[str, Any]:
+    from judge_server import start_judge
+
+    server = start_judge()
+    _SERVERS.append(server)
+    return {"base_url": f"http://127.0.0.1:{server.server_address[1]}/v1", "model": "judge", "timeout_s": 10}
+
+
 REWARD_FACTORIES: dict[str, Callable[[Path], dict[str, Any]]] = {
     **TINY_REWARDS,
     "remote": _remote,
     "remote_flowgrpo": _remote_flowgrpo,
+    "openai_judge": _openai_judge,
 }
 
 # Rewards that only accept prompts of their own world get valid ones in the contract tests.

@@ -127,6 +127,25 @@ def test_relative_links_resolve(path):
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
+def test_linked_files_are_not_ignored_by_git():
+    """A linked file that .gitignore hides exists here but not on a clean checkout (JSON of record, plots)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: nothing can be ignored")
+    targets = sorted(
+        {
+            str((path.parent / t.partition("#")[0]).resolve().relative_to(REPO))
+            for path in markdown_files()
+            for _, t in relative_links(path)
+            if t.partition("#")[0] and not broken_link(path, t)
+        }
+    )
+    found = subprocess.run(["git", "check-ignore", *targets], cwd=REPO, capture_output=True, text=True).stdout.split()
+    assert not found, f"linked files that git ignores (add a !pattern to .gitignore): {found}"
+
+
 def test_readme_is_a_manual_of_at_most_16kb():
     size = len((REPO / "README.md").read_bytes())
     assert size <= README_MAX_BYTES, f"README.md is {size} bytes; move detail into docs/ (at most {README_MAX_BYTES})"

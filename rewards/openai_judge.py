@@ -13,9 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,6 +22,8 @@ from flowrl.media import encode_pngs
 from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
+
+from ._http import HTTPStatusError, NoAnswer, exchange, status_line
 
 TEMPLATES = {
     "unifiedreward": (
@@ -102,26 +101,18 @@ class OpenAIJudgeReward:
         return json.dumps(body).encode()
 
     def _ask(self, png: bytes, prompt: str) -> float:
-        request = urllib.request.Request(self.url, data=self.request_body(png, prompt), method="POST")
-        request.add_header("Content-Type", "application/json")
+        headers = {"Content-Type": "application/json"}
         if self.api_key:
-            request.add_header("Authorization", f"Bearer {self.api_key}")
-        failure = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    answer = json.loads(response.read())
-                break
-            except urllib.error.HTTPError as err:
-                failure = f"HTTP {err.code}: {' '.join(err.read().decode('utf-8', 'replace').split())[:200]}"
-                if err.code not in RETRY_STATUS:
-                    raise RuntimeError(f"openai_judge {self.url}: {failure}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
-                failure = f"no answer ({getattr(err, 'reason', err)})"
-        else:
-            raise ConnectionError(f"openai_judge {self.url}: {failure} after {self.max_retries + 1} attempts") from None
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        args = (self.timeout_s, self.max_retries, self.backoff_s, RETRY_STATUS)
+        try:
+            answer = json.loads(exchange(self.url, self.request_body(png, prompt), headers, *args))
+        except HTTPStatusError as err:
+            raise RuntimeError(f"openai_judge {self.url}: {status_line(err.code, err.body, err.reason)}") from None
+        except NoAnswer as err:
+            raise ConnectionError(f"openai_judge {self.url}: {err.last} after {err.attempts} attempts") from None
+        except ValueError:
+            raise RuntimeError(f"openai_judge {self.url}: the answer is not JSON") from None
         try:
             reply = answer["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):

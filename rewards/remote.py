@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
-import urllib.error
-import urllib.request
 import zlib
 from typing import Any
 
@@ -30,7 +27,9 @@ from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
 
-RETRY_STATUS = (502, 503, 504)
+from ._http import HTTPStatusError, NoAnswer, exchange
+
+RETRY_STATUS = (502, 503, 504)  # retried: a proxy or an overloaded server
 ENCODINGS, COMPRESSIONS = ("safetensors", "png"), ("none", "zlib")
 
 
@@ -100,40 +99,28 @@ class RemoteReward:
         headers = dict(content or {})
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            method = "GET" if data is None else "POST"
-            request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    raw = response.read()
-            except urllib.error.HTTPError as err:
-                message = _error_text(err)
-                if err.code in RETRY_STATUS:
-                    last = f"HTTP {err.code} {message}"
-                    continue
-                if err.code == 401:
-                    raise RemoteRewardError(
-                        f"remote {self.url}: unauthorized (HTTP 401); pass token= equal to the server's --token"
-                    ) from None
-                if err.code == 400:
-                    raise ValueError(f"remote {self.url}: server rejected the batch (HTTP 400): {message}") from None
-                raise RemoteRewardError(f"remote {self.url}: HTTP {err.code}: {message}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as err:  # socket.timeout is TimeoutError
-                reason = getattr(err, "reason", err)
-                timed_out = isinstance(reason, TimeoutError)
-                last = f"timed out after {self.timeout_s:g}s" if timed_out else f"{reason}"
-                continue
-            try:
-                return json.loads(raw)
-            except ValueError:
-                raise RemoteRewardError(f"remote {self.url}: malformed response (not JSON): {raw[:80]!r}") from None
-        raise RemoteRewardError(
-            f"remote {self.url}{path}: gave up after {self.max_retries + 1} attempts; last error: {last}; "
-            "is `flowrl serve-reward` running there?"
-        )
+        try:
+            raw = exchange(
+                self.url + path, data, headers, self.timeout_s, self.max_retries, self.backoff_s, RETRY_STATUS, _retried
+            )
+        except HTTPStatusError as err:
+            message = _error_text(err.body, err.reason)
+            if err.code == 401:
+                raise RemoteRewardError(
+                    f"remote {self.url}: unauthorized (HTTP 401); pass token= equal to the server's --token"
+                ) from None
+            if err.code == 400:
+                raise ValueError(f"remote {self.url}: server rejected the batch (HTTP 400): {message}") from None
+            raise RemoteRewardError(f"remote {self.url}: HTTP {err.code}: {message}") from None
+        except NoAnswer as err:
+            raise RemoteRewardError(
+                f"remote {self.url}{path}: gave up after {err.attempts} attempts; last error: {err.last}; "
+                "is `flowrl serve-reward` running there?"
+            ) from None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise RemoteRewardError(f"remote {self.url}: malformed response (not JSON): {raw[:80]!r}") from None
 
     def health(self) -> dict[str, Any]:
         return self._request("/health")
@@ -158,9 +145,13 @@ class RemoteReward:
         return RewardOutput(scores=as_tensor(scores), parts=parts)  # [N]
 
 
-def _error_text(err: urllib.error.HTTPError) -> str:
+def _error_text(body: bytes, reason: str) -> str:
     try:
-        text = str(json.loads(err.read()).get("error", ""))
+        text = str(json.loads(body).get("error", ""))
     except Exception:
-        text = err.reason if isinstance(err.reason, str) else ""
+        text = reason
     return " ".join(text.split())[:300]  # one line, whatever the server wrote
+
+
+def _retried(code: int, body: bytes, reason: str) -> str:
+    return f"HTTP {code} {_error_text(body, reason)}"

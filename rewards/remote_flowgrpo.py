@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import urllib.error
-import urllib.request
 from typing import Any
 
 import torch
@@ -27,6 +25,8 @@ from flowrl.media import to_uint8
 from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_inputs
 from flowrl.types import RewardOutput
+
+from ._http import HTTPStatusError, NoAnswer, exchange
 
 # the only globals an answer may name: numpy's reconstruction of arrays and scalars (both numpy 1.x and 2.x paths)
 ALLOWED_GLOBALS = {
@@ -97,17 +97,15 @@ class RemoteFlowGRPOReward:
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         check_inputs(self.registry_name, images, prompts, metadata)
-        request = urllib.request.Request(self.url, data=self.request_body(images, prompts, metadata), method="POST")
-        request.add_header("Content-Type", "application/octet-stream")
         where = f"remote_flowgrpo {self.url}"
+        headers = {"Content-Type": "application/octet-stream"}
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                data = response.read()
-        except urllib.error.HTTPError as err:
-            lines = [line for line in err.read().decode("utf-8", "replace").splitlines() if line.strip()]
+            data = exchange(self.url, self.request_body(images, prompts, metadata), headers, self.timeout_s)
+        except HTTPStatusError as err:
+            lines = [line for line in err.body.decode("utf-8", "replace").splitlines() if line.strip()]
             raise RuntimeError(f"{where}: HTTP {err.code}: {lines[-1] if lines else err.reason}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
-            raise ConnectionError(f"{where}: no answer ({getattr(err, 'reason', err)}); is the server running?") from None
+        except NoAnswer as err:
+            raise ConnectionError(f"{where}: no answer ({err.last}); is the server running?") from None
         try:
             answer = read_answer(data)
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as err:

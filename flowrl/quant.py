@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from flowrl import work
+
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 
@@ -370,6 +372,9 @@ def _build(transformer: torch.nn.Module, spec: PreviewSpec, family: str) -> tupl
         _torchao_quantize(preview, precision, set(names))
     if "cached" in spec.backends:
         _enable_cache(preview, spec.cache, family)
+    # the work meter (flowrl.work) prices the preview's forwards at its backend
+    preview.flowrl_backend = "+".join([precision] * (precision not in (None, "bf16")) + ["cached"] * ("cached" in spec.backends))
+    work.meter_transformer(preview)
     return preview, precision, names
 
 

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 import torch
 
-from flowrl import sde
+from flowrl import sde, work
 from flowrl.models.conditioning import encode_prompts
 from flowrl.quant import DEFAULT_SKIP, PreviewCache, PreviewSpec, parse_backend
 from flowrl.ranking import bottom_intrusion, kendall, nanmedian, select_indices, spearman, topk_overlap
@@ -53,7 +53,8 @@ def previewing(model: FlowModel, preview: torch.nn.Module):
     if swap_pipe:
         pipe.transformer = preview
     try:
-        yield
+        with work.previews():  # the work meter prices these forwards as previews (flowrl.work)
+            yield
     finally:
         model.transformer = original
         if swap_pipe:

@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "flowrl.media",
             "flowrl.hub",
             "flowrl.environment",
+            "flowrl.work",
         ),
     ),
     ("toy world", ("flowrl.toy",)),  # the Shapes world: renderer, prompts, exact gold, judges, shipped weights

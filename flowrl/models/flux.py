@@ -61,7 +61,7 @@ class FluxFlowModel(PackedLatentsMixin, PipelineFlowModel):
             return_dict=False,
         )[0]
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         latents = self._unpacked(latents).to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(latents, return_dict=False)[0]

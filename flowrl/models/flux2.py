@@ -103,7 +103,7 @@ class Flux2FlowModel(PackedLatentsMixin, PipelineFlowModel):
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device, latents.dtype)
         return self.pipe._unpatchify_latents(latents * std + mean)
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         image = vae.decode(self.pipeline_latents(latents.to(vae.dtype)), return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)  # [N, 3, H, W]

@@ -333,7 +333,7 @@ class LTX2FlowModel(PipelineFlowModel):
             out.append(((x - guided) / s).flatten(1))  # back to a velocity
         return torch.cat(out, dim=1)
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Video frames [N, F, 3, H, W] in [0, 1] of states [N, D] (the pipeline's decode at decode_timestep 0)."""
         pipe, vae = self.pipe, self.pipe.vae
         f, h, w, _ = self._layout(latents)

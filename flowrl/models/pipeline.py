@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from flowrl import work
 from flowrl.models.lora import LoRAMixin
 from flowrl.models.placement import on_device
 from flowrl.models.precision import AutocastMixin
@@ -40,6 +41,8 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
                 component.eval()
                 component.requires_grad_(False)
         self._cache = PromptCache()  # (prompt, negative[, image, size]) -> rows [1], LRU by bytes
+        for name in ("transformer", "transformer_2"):  # the work meter counts every forward (flowrl.work)
+            work.meter_transformer(getattr(pipe, name, None))
 
     # ----------------------------------------------------------------------------------------- prompts
     def _encode_batch(self, prompts: list[str], negative_prompt: str | None) -> Cond:
@@ -79,6 +82,7 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
         with on_device(self.offloaded, self.device) if missing else contextlib.nullcontext():
             for key in missing:
                 rows[key] = self._encode_batch([key[0]], negative) if len(key) == 2 else self._encode_source(*key)
+                work.encoded(1 + (negative is not None), (1 + (negative is not None)) * self.max_sequence_length)
                 self._cache.put(key, rows[key])
         return concat_cond([rows[k] for k in keys])
 
@@ -187,6 +191,10 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
         raise NotImplementedError
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images [N, 3, H, W] (videos [N, 3, F, H, W]) in [0, 1]; counted by the work meter (flowrl.work)."""
+        return work.decoded(self._decode(latents))
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def enable_gradient_checkpointing(self) -> None:

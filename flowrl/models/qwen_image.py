@@ -148,7 +148,7 @@ class QwenImageFlowModel(PackedLatentsMixin, PipelineFlowModel):
             out = combined * (torch.norm(out, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
         return out
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         latents = self._unpacked(latents).to(vae.dtype)  # [N, C, 1, h, w]
         z = vae.config.z_dim

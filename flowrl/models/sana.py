@@ -73,7 +73,7 @@ class SanaFlowModel(PipelineFlowModel):
             out = out.chunk(2, dim=1)[0]
         return out
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         image = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)  # [N, 3, H, W]

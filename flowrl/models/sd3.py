@@ -55,7 +55,7 @@ class SD3FlowModel(PipelineFlowModel):
             out = uncond + guidance_scale * (text - uncond)
         return out
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(latents, return_dict=False)[0]

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flowrl import work
 from flowrl.models.lora import LoRAMixin
 from flowrl.models.precision import AutocastMixin
 from flowrl.sde import scheduler_sigmas
@@ -125,6 +126,7 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
         # (diffusers warns on any .to(dtype), so cast only when the dtype changes)
         cast = {"dtype": dtype} if next(transformer.parameters()).dtype != dtype else {}
         self.transformer = transformer.to(self.device, **cast).eval()  # the UNet; training updates it
+        work.meter_transformer(self.transformer)  # the work meter counts every forward (flowrl.work)
         self.text_encoder = text_encoder.to(self.device, dtype).eval().requires_grad_(False)
         self._cache: dict[str, torch.Tensor] = {}  # prompt -> [L, D]
         self.source_weight = float(source_weight)
@@ -136,6 +138,7 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
     def embed(self, prompts: list[str]) -> torch.Tensor:
         """Text embeddings [N, L, D] through the text encoder (with grad if the caller allows it)."""
         ids = tokenize(prompts).to(self.device)  # [N, L]
+        work.encoded(ids.shape[0], ids.numel())
         return self.text_encoder(input_ids=ids).last_hidden_state
 
     def _cached(self, prompts: list[str]) -> torch.Tensor:
@@ -263,7 +266,7 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
         return out
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return (latents.float() / 2 + 0.5).clamp(0, 1)  # [N, 3, H, W]
+        return work.decoded((latents.float() / 2 + 0.5).clamp(0, 1))  # [N, 3, H, W]
 
     def enable_gradient_checkpointing(self) -> None:
         self.transformer.enable_gradient_checkpointing()

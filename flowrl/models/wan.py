@@ -132,7 +132,7 @@ class WanFlowModel(PipelineFlowModel):
             out = uncond + guidance_scale * (out - uncond)
         return out
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         z = vae.config.z_dim
         mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, z, 1, 1, 1)

@@ -84,7 +84,7 @@ class ZImageFlowModel(PipelineFlowModel):
             pred = torch.stack(outs)
         return -pred.squeeze(2)  # the transformer predicts x0 − noise
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(latents, return_dict=False)[0]

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import flowrl.trainers.kit as kit
+from flowrl import work
 from flowrl.config import RunConfig
 from flowrl.losses import adjoint_matching_loss
 from flowrl.registry import REWARDS
@@ -150,7 +151,8 @@ class AdjointMatchingTrainer:
         model.transformer.eval()
         size = parts.local_n // t.num_rollout_batches
         chunks = [batch.select(slice(c * size, (c + 1) * size)) for c in range(t.num_rollout_batches)]
-        rollout = Rollout.concat([parts.sampler(model, chunk, step=parts.step) for chunk in chunks])
+        with work.phase("rollout"):
+            rollout = Rollout.concat([parts.sampler(model, chunk, step=parts.step) for chunk in chunks])
         latents, sigmas, cond = rollout.latents.to(acc.device), rollout.sigmas.to(acc.device), rollout.cond
         rollout_s = tic.seconds()
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flowrl import work
 from flowrl.config import ComponentConfig, RunConfig
 from flowrl.models import build_policy
 from flowrl.registry import BALANCERS, SAMPLERS
@@ -176,7 +177,7 @@ def collect(parts: RecipeParts, adapter: str | None = None) -> Experience:
     batch = parts.prompt_sampler.local_batch(parts.step, acc.process_index, acc.num_processes)
 
     # 2. Rollout (in chunks) and 3. Score (overlapping the next chunk in a worker thread)
-    with model.using_adapter(adapter) if adapter is not None else contextlib.nullcontext():
+    with model.using_adapter(adapter) if adapter is not None else contextlib.nullcontext(), work.phase("rollout"):
         rollout, local, rollout_s = rollout_and_score(
             parts.sampler, model, batch, parts.scorer, t.num_rollout_batches, parts.step, parts.weights
         )

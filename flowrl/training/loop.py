@@ -139,6 +139,27 @@ def resume_recipe(recipe: Recipe, path: str | Path) -> None:
         parts.run.forget_after(parts.step)
 
 
+def metered_step(recipe: Recipe) -> dict[str, float]:
+    """`recipe.train_step()` with its work counted (flowrl.work): the metrics gain `work/<phase>/<kind>/<detail>`,
+    the step's counts summed over processes. Work outside the step (evaluation, checkpoints) is not counted."""
+    from flowrl import work
+
+    work.METER.reset()
+    metrics = recipe.train_step()
+    counts = work.METER.metrics()
+    acc = recipe.parts.accelerator
+    if acc.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        total: dict[str, float] = {}
+        for each in gather_object([counts]):
+            for key, value in each.items():
+                total[key] = total.get(key, 0.0) + value
+        counts = dict(sorted(total.items()))
+    metrics.update(counts)
+    return metrics
+
+
 def train_loop(recipe: Recipe, label: str) -> dict:
     """Run a recipe to cfg.num_steps: resume (checkpoint.resume), the run folder and trackers, the base eval, then
     `recipe.train_step()` with logging, evals and checkpoints on their cadences, a last checkpoint and eval."""
@@ -157,7 +178,7 @@ def train_loop(recipe: Recipe, label: str) -> dict:
     bar = progress_bar(cfg.logging.progress_bar and acc.is_main_process, cfg.num_steps, parts.step, f"{label} {cfg.name}")
     history = []
     while parts.step < cfg.num_steps:
-        metrics = recipe.train_step()
+        metrics = metered_step(recipe)
         history.append(metrics)
         parts.run.log(acc, parts.step, metrics)
         show_progress(bar, metrics)

@@ -14,13 +14,17 @@ dropped sample has NaN in every reward and `failed` set, and the trainer gives i
 
 from __future__ import annotations
 
+import contextlib
+
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from flowrl import work
 from flowrl.advantages import group_advantages
 from flowrl.registry import REWARDS
 from flowrl.reward_contract import check_scores, score_checked
@@ -42,10 +46,64 @@ def build_rewards(specs, device) -> dict[str, Any]:
         where = getattr(spec, "device", None)
         here = run if where is None or (where == run.type and run.index is not None) else torch.device(where)
         options = {"dtype": parse_dtype(spec.dtype)} if getattr(spec, "dtype", None) is not None else {}
-        reward = REWARDS.get(spec.name)(device=here, **options, **spec.kwargs)
+        if _STAND_IN:
+            reward = StandInReward(REWARDS.get(spec.name), spec.name)
+        else:
+            reward = REWARDS.get(spec.name)(device=here, **options, **spec.kwargs)
         size = getattr(spec, "batch_size", None)
-        rewards[spec.name] = BatchedReward(reward, size) if size is not None else reward
+        rewards[spec.name] = MeteredReward(BatchedReward(reward, size) if size is not None else reward, spec.name)
     return rewards
+
+
+_STAND_IN = False
+
+
+@contextlib.contextmanager
+def standing_in():
+    """Inside the block `build_rewards` builds stand-ins (StandInReward) instead of the configured rewards: how
+    `flowrl plan` runs a config's step without loading a reward model."""
+    global _STAND_IN
+    before, _STAND_IN = _STAND_IN, True
+    try:
+        yield
+    finally:
+        _STAND_IN = before
+
+
+class StandInReward:
+    """A configured reward's stand-in for `flowrl plan`: no weights; deterministic scores in [0, 1) that differ
+    between samples (so ranking and group statistics run as they would), differentiable where the real reward is;
+    the work meter counts its calls as the real reward's."""
+
+    def __init__(self, cls: Any, name: str):
+        self.registry_name, self.modalities = name, getattr(cls, "modalities", ("image",))
+        self.differentiable = bool(getattr(cls, "differentiable", False))
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
+        spread = torch.tensor(
+            [(zlib.crc32(p.encode()) % 997) / 997.0 for p in prompts], dtype=torch.float32, device=images.device
+        )
+        spread = (spread + torch.arange(len(prompts), device=images.device) * 0.6180339887) % 1.0
+        mean = images.float().mean(dim=tuple(range(1, images.ndim)))  # [N]: the graph a gradient flows through
+        return RewardOutput(scores=spread + 0.0 * mean)
+
+
+class MeteredReward:
+    """A reward whose calls the work meter counts (flowrl.work.scored: images, and the backward through the reward
+    where a recipe takes its gradient). Every other attribute is the wrapped reward's."""
+
+    def __init__(self, reward: Any, name: str):
+        self.reward, self.metered_name = reward, name
+
+    def __getattr__(self, name: str) -> Any:  # only for names the wrapper lacks
+        if name == "reward":  # not yet set (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self.reward, name)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
+        out = self.reward(images, prompts, metadata)
+        work.scored(self.metered_name, images, out)
+        return out
 
 
 class BatchedReward:

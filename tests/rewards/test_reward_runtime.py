@@ -68,7 +68,7 @@ def test_reward_config_batch_size_scores_in_chunks_with_the_same_scores(tmp_path
     kwargs = tiny_pickscore(tmp_path / "pick")
     whole = build_rewards(_config(tmp_path, {"name": "pickscore", **kwargs}).rewards, "cpu")["pickscore"]
     cfg = _config(tmp_path, {"name": "pickscore", "batch_size": 2, "device": "cpu", **kwargs})
-    chunked = build_rewards(cfg.rewards, "cpu")["pickscore"]
+    chunked = build_rewards(cfg.rewards, "cpu")["pickscore"].reward  # inside the work meter's wrapper
     sizes = []
     chunked.reward = _Counting(chunked.reward, sizes)  # records the size of each call the chunks make
     assert isinstance(chunked, BatchedReward) and chunked.registry_name == "pickscore" and chunked.differentiable

@@ -126,6 +126,15 @@ def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
         lines = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
         return [json.loads(line)["train/grad_norm"] for line in lines]
 
+    def step_work(name):  # the work meter's counts, summed over processes (flowrl.training.loop.metered_step)
+        lines = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k.startswith("work/")} for line in lines]
+
+    work_one, work_two = step_work("one"), step_work("two")
+    assert work_one[0]["work/rollout/forward/policy"] > 0 and work_one[0]["work/train/backward/lora"] > 0
+    # the same work in all (text encodes aside: each process encodes the prompts its samples need, once)
+    drop = lambda w: {k: v for k, v in w.items() if "/encode/" not in k}  # noqa: E731
+    assert [drop(w) for w in work_one] == [drop(w) for w in work_two]
     norms_one, norms_two = grad_norms("one"), grad_norms("two")
     assert len(norms_one) == 2 and min(norms_one) > 0
     for a, b in zip(norms_one, norms_two):  # Adam would hide a wrongly scaled gradient in the weights

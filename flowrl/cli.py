@@ -1,4 +1,4 @@
-"""The `flowrl` command: sample, train, eval, report, demo, bench, rewards list, score, serve-reward, recipes.
+"""The `flowrl` command: sample, train, eval, report, demo, bench, plan, rewards list, score, serve-reward, recipes.
 
 Each subcommand has a `_add_<name>(subparsers)` that declares its arguments and a `_run_<name>(args)` that
 does the work; heavy imports happen inside `_run_*` so that `flowrl --help` stays fast.
@@ -470,6 +470,23 @@ def _add_recipes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help='print [{"sampler", "trainer", "balancer", "works", "why"}] instead')
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="what one step of a config does, how long it takes on a GPU, whether it fits")
+    p.add_argument("config", help="YAML run config, e.g. configs/sd3/grpo_pickscore.yaml")
+    p.add_argument("--gpu", default=None, help="h100, h200 or b200 (default: all three)")
+    p.add_argument("--num-gpus", type=int, default=1, help="GPUs the run is launched on (default: 1)")
+    p.add_argument("--sharding", default="none", help="none (data parallel), fsdp (FSDP2) or zero2 (DeepSpeed ZeRO-2)")
+    p.add_argument("--json", default=None, help="also write the plan as JSON here")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides of the config, e.g. sampler.num_steps=16")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from flowrl.bench.plan import plan, render
+
+    print(render(plan(args.config, args.gpu, args.num_gpus, args.sharding, args.overrides, args.json)))
+    return 0
+
+
 def _run_recipes(args: argparse.Namespace) -> int:
     from flowrl.trainers.compose import print_matrix
 
@@ -487,6 +504,7 @@ COMMANDS = {
     "eval": (_add_eval, _run_eval),
     "report": (_add_report, _run_report),
     "recipes": (_add_recipes, _run_recipes),
+    "plan": (_add_plan, _run_plan),
 }
 
 

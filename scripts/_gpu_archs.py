@@ -1,5 +1,6 @@
-"""The real architectures of scripts/gpu_check.py as data (the published configs), and the pipelines they build with
-random weights: on a GPU in the run's dtype, or on the meta device to count parameters without memory.
+"""The real architectures of scripts/gpu_check.py (the published configs of flowrl.models.archs), and the pipelines
+they build with random weights: on a GPU in the run's dtype, or on the meta device to count parameters without
+memory.
 
 No weights ship and nothing downloads: the tokenizers are the tiny character-level ones of
 flowrl.models.tiny_tokenizers (token ids stay below every real vocabulary), which give the real sequence lengths.
@@ -13,78 +14,22 @@ from pathlib import Path
 
 import torch
 
-# transformer configs, as in each model's transformer/config.json
-SD35_MEDIUM = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)),
-    qk_norm="rms_norm",
+# the published configs, defined once in flowrl.models.archs (re-exported here for gpu_check and its sections)
+from flowrl.models.archs import (  # noqa: F401
+    CLIP_G,
+    CLIP_L,
+    CLIP_VIT_H14,
+    FLUX1_DEV,
+    FLUX_VAE,
+    OPEN_CLIP_VIT_B32,
+    SD3_VAE,
+    SD35_MEDIUM,
+    T5_XXL,
+    UMT5_XXL,
+    WAN21_1_3B,
+    WAN_VAE,
 )
-FLUX1_DEV = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=19,
-    num_single_layers=38,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    pooled_projection_dim=768,
-    guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
-WAN21_1_3B = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=12,
-    attention_head_dim=128,
-    in_channels=16,
-    out_channels=16,
-    text_dim=4096,
-    freq_dim=256,
-    ffn_dim=8960,
-    num_layers=30,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    eps=1e-6,
-    rope_max_seq_len=1024,
-)
-# text encoders (transformers configs; token ids are set from the tiny tokenizers at build time)
-CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-              max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")  # fmt: skip
-CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
-              max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")  # fmt: skip
-T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-              feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128)  # fmt: skip
-UMT5_XXL = dict(T5_XXL, vocab_size=256384)
-# VAEs
-SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-               down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2,
-               norm_num_groups=32, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
-               use_post_quant_conv=False)  # fmt: skip
-FLUX_VAE = dict(SD3_VAE, scaling_factor=0.3611, shift_factor=0.1159)
-WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
-# PickScore_v1 / HPSv2: CLIP ViT-H-14 (transformers CLIPModel)
-CLIP_VIT_H14 = dict(
-    text_config=dict(vocab_size=49408, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                     num_attention_heads=16, max_position_embeddings=77, hidden_act="gelu"),
-    vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
-                       image_size=224, patch_size=14, hidden_act="gelu"),
-    projection_dim=1024,
-)  # fmt: skip
-# temporal consistency's default CLIP (open_clip ViT-B-32)
-OPEN_CLIP_VIT_B32 = {
-    "embed_dim": 512,
-    "vision_cfg": {"image_size": 224, "layers": 12, "width": 768, "patch_size": 32},
-    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 12},
-}
+
 # parameter counts of the transformers (counted on meta): the check compares against these
 EXPECTED_PARAMS_B = {"sd3": 2.243, "flux": 11.901, "wan": 1.419}
 PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "wan": "WanPipeline"}

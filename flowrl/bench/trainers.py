@@ -115,7 +115,7 @@ def _run_recipe(
 
     from flowrl.demo import heldout_scores, judge_checkpoint
     from flowrl.trainers import build_trainer, load_config
-    from flowrl.training.loop import progress_bar, show_progress
+    from flowrl.training.loop import metered_step, progress_bar, show_progress
 
     with tempfile.TemporaryDirectory() as root:
         fixed = [f"seed={seed}", f"output_dir={root}", f"name=bench_{recipe}_{seed}", "logging.trackers=[]"]
@@ -135,9 +135,12 @@ def _run_recipe(
                 [step, round(seconds, 3), scores["exact_accuracy"], scores["judge_accuracy"], scores["artifact"]]
                 + [scores["impossible_count_rate"], scores["diversity"]]
             )
+            work_curve.append(dict(sorted(work.items())))  # the work meter's counts summed to this point
             return scores
 
         curve: list[list[float]] = []
+        work: dict[str, float] = {}
+        work_curve: list[dict[str, float]] = []
         base = measure(0, 0.0)
         seconds, final = 0.0, base
         perf = dict.fromkeys(("step", "rollout", "reward", "optimise"), 0.0)  # the trainer's own wall timings
@@ -145,8 +148,11 @@ def _run_recipe(
         try:
             for step in range(1, cfg.num_steps + 1):
                 tic = CLOCKS[clock]()
-                metrics = trainer.train_step()
+                metrics = metered_step(trainer)
                 seconds += CLOCKS[clock]() - tic
+                for key, value in metrics.items():
+                    if key.startswith("work/"):
+                        work[key] = work.get(key, 0.0) + value
                 for key in perf:
                     perf[key] += metrics.get(f"perf/{key}_s", 0.0)
                 show_progress(bar, metrics)
@@ -164,6 +170,7 @@ def _run_recipe(
         "base_artifact": base["artifact"],
         "train_seconds": round(seconds, 3),
         "time_shares": time_shares(perf),
+        "work_curve": work_curve,
     }
 
 
@@ -214,6 +221,9 @@ def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings
         to_steps[name] = median_if_most(entry["steps_to_target"])
         to_seconds[name] = median_if_most(entry["seconds_to_target"])
     grpo_seconds = to_seconds.get(baseline)
+    from flowrl.bench.projection import projection
+
+    projected = projection(runs, settings["seeds"], baseline)
     return {
         "baseline": baseline,  # the "grpo" of the keys below: the recipe whose median final accuracy is the target
         "target_accuracy": target,
@@ -223,6 +233,15 @@ def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings
         "seconds_ratio_to_grpo": {
             name: round(s / grpo_seconds, 3) if s is not None and grpo_seconds else None for name, s in to_seconds.items()
         },
+        **(
+            {
+                "projected_seconds_to_target": {n: e["seconds_to_target"] for n, e in projected["recipes"].items()},
+                "projected_speedup": projected["projected_speedup"],
+                "projection": projected,
+            }
+            if projected
+            else {}
+        ),
         "overrides": list(overrides),
         "settings": settings,
         "host": host,
@@ -389,30 +408,42 @@ def plot_trainers(result: dict, path: str | Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4.5))
+    projected = result.get("projection")
+    panels = 2 if projected else 1
+    fig = Figure(figsize=(7 * panels, 4.5))
     FigureCanvasAgg(fig)  # the Agg backend, without touching pyplot's global backend
-    ax = fig.add_subplot()
     colours = colormaps["tab10"]
-    for i, (name, entry) in enumerate(result["recipes"].items()):
-        count = len(entry["seeds"])
-        for k, curve in enumerate(entry["curves"]):
-            seconds, exact = [p[1] for p in curve], [p[2] for p in curve]
-            label = f"{name} ({count} seed{'s' * (count > 1)})" if k == 0 else None
-            ax.plot(seconds, exact, color=colours(i % 10), linewidth=1.0, alpha=0.85, marker=".", markersize=3, label=label)
-    if result["target_accuracy"] is not None:
-        ax.axhline(
-            result["target_accuracy"],
-            color="black",
-            linestyle="--",
-            linewidth=1.0,
-            label=f"target {result['target_accuracy']:.3f}: {result.get('baseline', BASELINE)} median final",
-        )
     clock = "CPU seconds, one process" if result.get("settings", {}).get("clock") == "cpu" else "training seconds"
-    ax.set_xlabel(f"{clock} (train_step only, evaluation excluded)")
-    ax.set_ylabel("held-out exact accuracy (toy_exact)")
-    ax.set_title("flowrl bench trainers: the toy Shapes world")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    for panel in range(panels):
+        ax = fig.add_subplot(1, panels, panel + 1)
+        for i, (name, entry) in enumerate(result["recipes"].items()):
+            count = len(entry["seeds"])
+            xs = [[p[1] for p in c] for c in entry["curves"]]
+            if panel == 1:
+                xs = projected["recipes"][name]["curves"]["h100"]
+            for k, (curve, x) in enumerate(zip(entry["curves"], xs)):
+                if x is None:
+                    continue
+                label = f"{name} ({count} seed{'s' * (count > 1)})" if k == 0 else None
+                exact = [p[2] for p in curve]
+                ax.plot(x, exact, color=colours(i % 10), linewidth=1.0, alpha=0.85, marker=".", markersize=3, label=label)
+        if result["target_accuracy"] is not None:
+            ax.axhline(
+                result["target_accuracy"],
+                color="black",
+                linestyle="--",
+                linewidth=1.0,
+                label=f"target {result['target_accuracy']:.3f}: {result.get('baseline', BASELINE)} median final",
+            )
+        if panel == 0:
+            ax.set_xlabel(f"{clock} (train_step only, evaluation excluded)")
+            ax.set_title("flowrl bench trainers: the toy Shapes world")
+        else:
+            ax.set_xlabel("projected H100 seconds at SD3.5-Medium 512 px (FP8 previews, eta 0.11)")
+            ax.set_title("the same runs, their counted work priced at real size")
+        ax.set_ylabel("held-out exact accuracy (toy_exact)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,6 @@ dropped sample has NaN in every reward and `failed` set, and the trainer gives i
 from __future__ import annotations
 
 import contextlib
-
 import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor

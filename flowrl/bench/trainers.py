@@ -217,6 +217,7 @@ def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings
             "train_seconds": [run["train_seconds"] for run in by_seed.values()],
             "time_shares": [run.get("time_shares") for run in by_seed.values()],
             "curves": [run["curve"] for run in by_seed.values()],
+            "work_curves": [run.get("work_curve") for run in by_seed.values()],  # flowrl.work counts to each point
         }
         to_steps[name] = median_if_most(entry["steps_to_target"])
         to_seconds[name] = median_if_most(entry["seconds_to_target"])
@@ -387,6 +388,7 @@ def merge_results(paths: list[str | Path], out_json: str | Path | None = None) -
                     "base_artifact": entry["base_artifact"],
                     "train_seconds": entry["train_seconds"][k],
                     "time_shares": entry.get("time_shares", [None] * len(entry["seeds"]))[k],
+                    "work_curve": entry.get("work_curves", [None] * len(entry["seeds"]))[k],
                 }
     baseline = first[0].get("baseline", BASELINE)
     if baseline not in runs:

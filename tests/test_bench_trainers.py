@@ -30,6 +30,7 @@ ENTRY_KEYS = {
     "diversity_at_target",
     "final_diversity",
     "time_shares",
+    "work_curves",
 }
 
 
@@ -58,6 +59,18 @@ def test_race_of_grpo_alone_writes_consistent_json_and_a_png(tmp_path):
     assert sum(shares.values()) == pytest.approx(1.0, abs=2e-3) and shares["rollout"] > 0 and shares["optimise"] > 0
     assert all(0 <= p[2] <= 1 and 0 <= p[3] <= 1 for p in curve)
     assert result["target_accuracy"] == curve[-1][2]  # the median of one seed's final accuracy
+    # the work meter's counts at each point (cumulative), priced at SD3.5-M 512 px (flowrl.bench.projection)
+    (work,) = entry["work_curves"]
+    assert len(work) == len(curve) and work[0] == {} and work[1]["work/rollout/forward/policy"] > 0
+    assert work[2]["work/rollout/forward/policy"] == 2 * work[1]["work/rollout/forward/policy"]
+    from flowrl.bench import projection
+
+    projected = result["projection"]["recipes"]["grpo"]["curves"]["h100"][0]
+    assert projected[0] == 0.0 and projected[2] == round(projection.projected_seconds(work[2], "h100"), 3)
+    reached = next(i for i, p in enumerate(curve) if p[2] >= result["target_accuracy"])
+    assert result["projected_seconds_to_target"]["grpo"]["h100"]["grpo"] == [projected[reached]]
+    same = 1.0 if projected[reached] > 0 else None  # a base model already at the target has no speed-up to give
+    assert result["projected_speedup"] == {"h100": {"grpo": {"grpo": same}}, "b200": {"grpo": {"grpo": same}}}
     first = next(p for p in curve if p[2] >= result["target_accuracy"])
     assert entry["steps_to_target"] == [first[0]] and entry["seconds_to_target"] == [first[1]]
     assert result["steps_to_grpo_final"] == {"grpo": first[0]} and result["seconds_to_grpo_final"] == {"grpo": first[1]}

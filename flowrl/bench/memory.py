@@ -198,19 +198,23 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and args and args[0].device.type == "meta":
-            q, k, v = args[:3]
-            rest = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]), **kwargs)
-            if not rest.get("enable_gqa", False) and q.shape[:-2] == k.shape[:-2]:
-                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q,
-                    k,
-                    v,
-                    rest.get("dropout_p", 0.0),
-                    rest.get("is_causal", False),
-                    attn_mask=rest.get("attn_mask"),
-                    scale=rest.get("scale"),
-                )[0]
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        # positional (diffusers' attention processors) or by keyword (its attention dispatcher)
+        named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args))
+        named.update(kwargs)
+        q, k, v = named.get("query"), named.get("key"), named.get("value")
+        fused = q is not None and q.device.type == "meta" and not named.get("enable_gqa", False)
+        if fused and q.shape[:-2] == k.shape[:-2]:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q,
+                k,
+                v,
+                named.get("dropout_p", 0.0),
+                named.get("is_causal", False),
+                attn_mask=named.get("attn_mask"),
+                scale=named.get("scale"),
+            )[0]
         return func(*args, **kwargs)
 
 

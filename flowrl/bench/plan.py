@@ -100,10 +100,19 @@ def step_work(config: str | Path, overrides: list[str] = ()) -> tuple[dict[str, 
             tiny = tiny_family(family, cfg.model.path)
             folder = build_tiny_pipeline(tiny, Path(tmp) / tiny)
             height, width, frames = TINY_SIZES[tiny]
-            stand_in += [f"model.path={folder}", f"sampler.height={height}", f"sampler.width={width}"]
-            stand_in += [f"sampler.num_frames={frames}"] * bool(frames)
-            if "max_sequence_length" in _settable(folder):
+            stand_in.append(f"model.path={folder}")
+            if frames:
+                stand_in.append(f"sampler.num_frames={frames}")
+            if any(word in tiny for word in ("edit", "i2v")):  # a source image keeps the config's aspect
+                height, width = _smallest_same_aspect(cfg.sampler.kwargs.get("height"), cfg.sampler.kwargs.get("width"), height)
+            stand_in += [f"sampler.height={height}", f"sampler.width={width}"]
+            if "max_sequence_length" in _settable(folder) and "edit" not in tiny:  # an edit prompt carries its image
                 stand_in.append("model.max_sequence_length=8")
+        cache = cfg.sampler.kwargs.get("preview_cache") or {}
+        if cfg.model.path != "toy" and cache.get("type") == "first_block":
+            # the tiny stand-ins have one or two blocks, too few for a first-block cache; a cached preview is priced
+            # as a full forward whatever its cache type (docs/cost.md), so another type counts the same rows
+            stand_in.append("sampler.preview_cache={type: taylorseer}")
         errors = []
         for k in [d for d in range(1, prompts + 1) if prompts % d == 0]:
             try:
@@ -120,6 +129,20 @@ def step_work(config: str | Path, overrides: list[str] = ()) -> tuple[dict[str, 
             scale = prompts / k
             return {k_: v * scale for k_, v in metrics.items() if k_.startswith("work/")}, cfg
     raise ValueError(f"{config}: no share of its {prompts} prompts per step runs on the stand-in: {errors[-1]}")
+
+
+def _smallest_same_aspect(height: int | None, width: int | None, unit: int) -> tuple[int, int]:
+    """The smallest multiples of `unit` with exactly the aspect of height x width (the tiny size when unset)."""
+    import math
+
+    if not height or not width:
+        return unit, unit
+    g = math.gcd(int(height), int(width))
+    h, w = int(height) // g, int(width) // g  # the aspect in lowest terms
+    for m in range(1, g + 1):
+        if (h * m) % unit == 0 and (w * m) % unit == 0:
+            return h * m, w * m
+    return int(height), int(width)
 
 
 def _settable(folder: Path) -> set[str]:
@@ -212,10 +235,19 @@ def memory_plan(cfg, geo: Geometry, num_gpus: int, sharding: str):
 
     def inputs(n: int):
         one = archs.transformer_inputs(arch, geo.height, geo.width, geo.num_frames, geo.text_tokens)
-        return {k: (v.to(compute).expand(n, *v.shape[1:]) if _batched(v) else v) for k, v in one.items()}
+        out = {}
+        for k, v in one.items():
+            if _batched(v):
+                out[k] = v.to(compute).expand(n, *v.shape[1:])
+            elif isinstance(v, list) and v and all(isinstance(t, torch.Tensor) for t in v):
+                out[k] = [t.to(compute) for t in v] * n  # one tensor per sample (Z-Image)
+            else:
+                out[k] = v
+        return out
 
     per_row, transient, lora_params = {}, {}, 0
-    for lora in (True, False):
+    own = (cfg.model.use_lora, cfg.model.use_gradient_checkpointing)
+    for lora in (own[0], not own[0]):
         net = archs.build_transformer(arch)
         if lora:
             net = memory.with_lora(net, cfg.model.lora_rank, targets, cfg.model.lora_alpha)
@@ -223,10 +255,13 @@ def memory_plan(cfg, geo: Geometry, num_gpus: int, sharding: str):
         else:
             net.requires_grad_(True)
         net = net.to(compute)
-        for ckpt in (True, False):
-            count = memory.count_activations(net, inputs, rows=rows, checkpointing=ckpt, working=True)
+        for ckpt in (own[1], not own[1]):
+            # the working memory of a backward is counted for the config's own mode (the slow part); the other
+            # modes, which only the suggestions use, take it from there
+            count = memory.count_activations(net, inputs, rows=rows, checkpointing=ckpt, working=(lora, ckpt) == own)
             per_row[(lora, ckpt)] = count.total / rows
-            transient[(lora, ckpt)] = count.transient
+            transient[(lora, ckpt)] = count.transient if (lora, ckpt) == own else None
+    transient = {mode: transient[own] if t is None else t for mode, t in transient.items()}
     t = cfg.train
     return memory.MemoryPlan(
         params=params,
@@ -251,7 +286,7 @@ def memory_plan(cfg, geo: Geometry, num_gpus: int, sharding: str):
 def _batched(v) -> bool:
     import torch
 
-    return isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[0] == 1 and v.is_floating_point()
+    return isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == 1 and v.is_floating_point()
 
 
 def _is_block(name: str) -> bool:

@@ -60,3 +60,28 @@ def test_a_plan_that_does_not_fit_says_so_and_what_would(capsys):
 def test_bad_input_is_one_line(capsys):
     assert main(["plan", "configs/toy/grpo.yaml", "--gpu", "a100"]) == 2
     assert "--gpu 'a100' is not one of h100, h200, b200" in capsys.readouterr().err
+
+
+def test_every_real_config_states_its_plan_in_its_header():
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("plan_headers", root / "scripts" / "plan_headers.py")
+    headers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(headers)
+    configs = headers.real_configs()
+    assert len(configs) >= 20
+    line = re.compile(
+        r"^# Plan: (\d+)x (H100|H200|B200) \((DDP|FSDP2|ZeRO-2)\): \d+ s/step at eta 0\.11 \(\d+ s at 0\.4\), \d+ GPU-hours "
+        r"for \d+ steps; peak \d+ GiB per GPU, (fits|does NOT fit; see flowrl plan for what would) \(flowrl plan (\S+) --gpu "
+        r"(h100|h200|b200) --num-gpus (\d+)( --sharding (fsdp|zero2))?\)$"
+    )
+    for path in configs:
+        found = [m for m in map(line.match, path.read_text().splitlines()) if m]
+        rel = str(path.relative_to(root))
+        assert len(found) == 1, f"{rel}: no `# Plan:` header; run python scripts/plan_headers.py {rel}"
+        m = found[0]
+        assert m.group(5) == rel and m.group(6) == m.group(2).lower() and m.group(7) == m.group(1), rel
+        assert (m.group(9) or "none") == headers.SHARDING[m.group(3)], rel

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-# the published configs, defined once in flowrl.models.archs (re-exported here for gpu_check and its sections)
-from flowrl.models.archs import (  # noqa: F401
+# the published configs, defined once in flowrl.models.arch_configs (re-exported here for gpu_check and its sections)
+from flowrl.models.arch_configs import (  # noqa: F401
     CLIP_G,
     CLIP_L,
     CLIP_VIT_H14,

@@ -106,7 +106,7 @@ def step_work(config: str | Path, overrides: list[str] = ()) -> tuple[dict[str, 
             if any(word in tiny for word in ("edit", "i2v")):  # a source image keeps the config's aspect
                 height, width = _smallest_same_aspect(cfg.sampler.kwargs.get("height"), cfg.sampler.kwargs.get("width"), height)
             stand_in += [f"sampler.height={height}", f"sampler.width={width}"]
-            if "max_sequence_length" in _settable(folder) and "edit" not in tiny:  # an edit prompt carries its image
+            if _prompt_length_settable(folder) and "edit" not in tiny:  # an edit prompt carries its image
                 stand_in.append("model.max_sequence_length=8")
         cache = cfg.sampler.kwargs.get("preview_cache") or {}
         if cfg.model.path != "toy" and cache.get("type") == "first_block":
@@ -145,19 +145,14 @@ def _smallest_same_aspect(height: int | None, width: int | None, unit: int) -> t
     return int(height), int(width)
 
 
-def _settable(folder: Path) -> set[str]:
-    """The model settings a family folder's adapter accepts beyond the common ones (max_sequence_length where the
-    prompt length can be set)."""
-    import json as _json
+def _prompt_length_settable(folder: Path) -> bool:
+    """Whether the adapter of a pipeline folder lets the prompt length be set (`set_max_sequence_length`)."""
+    import importlib
 
     from flowrl.models import ADAPTERS
 
-    name = _json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
-    module, cls = ADAPTERS[name]
-    import importlib
-
-    adapter = getattr(importlib.import_module(module), cls)
-    return {"max_sequence_length"} if hasattr(adapter, "set_max_sequence_length") else set()
+    module, cls = ADAPTERS[json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]]
+    return hasattr(getattr(importlib.import_module(module), cls), "set_max_sequence_length")
 
 
 @dataclass(frozen=True)
@@ -194,14 +189,6 @@ def _rewards(cfg) -> tuple[str, ...]:
     return tuple(r.name for r in cfg.rewards)
 
 
-def price_step(work: dict[str, float], geo: Geometry, rewards: tuple[str, ...], gpu: str, eta: float) -> dict:
-    """GPU-seconds of one step's work at `geo` on `gpu` with efficiency `eta` (flowrl.bench.cost.price)."""
-    from flowrl.bench import cost
-
-    size = cost.real_size(geo.family, geo.height, geo.width, geo.num_frames, geo.text_tokens, rewards)
-    return cost.price(work, size, gpu, eta)
-
-
 def micro_batch_rows(cfg, num_gpus: int, true_cfg: bool) -> int:
     """Rows of one backward on one GPU: the process's share of the step's samples (x the recipe's items per sample)
     over the minibatches, doubled where GRPO trains with classifier-free guidance (both branches carry grad)."""
@@ -221,14 +208,14 @@ def memory_plan(cfg, geo: Geometry, num_gpus: int, sharding: str):
     memory of a backward at the plan's rows."""
     import torch
 
-    from flowrl.bench import memory
+    from flowrl.bench import activations, memory
     from flowrl.models import archs, parse_dtype
     from flowrl.models.lora import LoRAMixin
 
     arch = archs.get(geo.family)
     module = archs.build_transformer(arch)
-    params = memory.param_count(module)
-    largest = max((memory.param_count(b) for name, b in module.named_modules() if _is_block(name)), default=0)
+    params = activations.param_count(module)
+    largest = max((activations.param_count(b) for name, b in module.named_modules() if _is_block(name)), default=0)
     targets = tuple(cfg.model.lora_target_modules or LoRAMixin.lora_target_modules)
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.mixed_precision, parse_dtype(cfg.model.dtype))
     rows = micro_batch_rows(cfg, num_gpus, arch.true_cfg)
@@ -248,17 +235,17 @@ def memory_plan(cfg, geo: Geometry, num_gpus: int, sharding: str):
     per_row, transient, lora_params = {}, {}, 0
     own = (cfg.model.use_lora, cfg.model.use_gradient_checkpointing)
     for lora in (own[0], not own[0]):
-        net = archs.build_transformer(arch)
+        net = archs.build_transformer(arch) if lora else module  # LoRA is added in place: a second build of its own
         if lora:
-            net = memory.with_lora(net, cfg.model.lora_rank, targets, cfg.model.lora_alpha)
-            lora_params = memory.param_count(net, trainable=True)
+            net = activations.with_lora(net, cfg.model.lora_rank, targets, cfg.model.lora_alpha)
+            lora_params = activations.param_count(net, trainable=True)
         else:
             net.requires_grad_(True)
         net = net.to(compute)
         for ckpt in (own[1], not own[1]):
             # the working memory of a backward is counted for the config's own mode (the slow part); the other
             # modes, which only the suggestions use, take it from there
-            count = memory.count_activations(net, inputs, rows=rows, checkpointing=ckpt, working=(lora, ckpt) == own)
+            count = activations.count_activations(net, inputs, rows=rows, checkpointing=ckpt, working=(lora, ckpt) == own)
             per_row[(lora, ckpt)] = count.total / rows
             transient[(lora, ckpt)] = count.transient if (lora, ckpt) == own else None
     transient = {mode: transient[own] if t is None else t for mode, t in transient.items()}
@@ -296,16 +283,16 @@ def _is_block(name: str) -> bool:
 
 def _frozen(cfg, arch) -> tuple:
     """Text encoders, VAE, a second expert and reward models resident beside the trained transformer."""
-    from flowrl.bench import cost, memory
+    from flowrl.bench import activations, cost, memory
     from flowrl.models import archs
 
     out = []
     for enc in arch.text_encoders:
         out.append(memory.Frozen(enc.name, int(enc.params_b * 1e9), cfg.model.dtype, cfg.model.offload_text_encoders, True))
     vae = archs.build_vae(arch)
-    out.append(memory.Frozen("vae", memory.param_count(vae), cfg.model.dtype))
+    out.append(memory.Frozen("vae", activations.param_count(vae), cfg.model.dtype))
     if arch.experts > 1:
-        out.append(memory.Frozen("second expert", memory.param_count(archs.build_transformer(arch)), cfg.model.dtype))
+        out.append(memory.Frozen("second expert", activations.param_count(archs.build_transformer(arch)), cfg.model.dtype))
     for name in _rewards(cfg):
         params = cost.reward_params(name)
         if params:
@@ -331,12 +318,12 @@ def plan(
         raise ValueError(f"--num-gpus {num_gpus} must be >= 1")
     work, cfg = step_work(config, overrides)
     geo = geometry(cfg)
-    rewards = _rewards(cfg)
-    forward = cost.transformer_forward(geo.family, geo.height, geo.width, geo.num_frames, geo.text_tokens)
+    size = cost.real_size(geo.family, geo.height, geo.width, geo.num_frames, geo.text_tokens, _rewards(cfg))
+    forward = size.forward
     gpus = [gpu] if gpu else list(GPUS)
     step_s, run_h, by_phase = {}, {}, {}
     for g in gpus:
-        priced = {name: price_step(work, geo, rewards, g, eta) for name, eta in cost.ETA.items()}
+        priced = {name: cost.price(work, size, g, eta) for name, eta in cost.ETA.items()}
         step_s[g] = {name: p["seconds"] / num_gpus for name, p in priced.items()}
         run_h[g] = {name: p["seconds"] * cfg.num_steps / 3600 for name, p in priced.items()}
         by_phase[g] = {name: {ph: s / num_gpus for ph, s in p["by_phase"].items()} for name, p in priced.items()}

@@ -14,6 +14,7 @@ term is divided by it); seconds are given at η = 0.11 (research code, docs/cost
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 PRICED_AS = ("sd3.5-medium", 512, 512, None)
@@ -22,6 +23,7 @@ BASELINES = ("grpo_flowgrpo", "dancegrpo")  # Flow-GRPO's and DanceGRPO's struct
 ETA = "research"
 
 
+@functools.cache
 def _size():
     from flowrl.bench import cost
 

@@ -54,6 +54,16 @@ def build_rewards(specs, device) -> dict[str, Any]:
     return rewards
 
 
+class _RewardWrapper:
+    """A wrapper around a reward (`self.reward`): every attribute it lacks (registry_name, modalities,
+    differentiable, the model) is the wrapped reward's."""
+
+    def __getattr__(self, name: str) -> Any:  # only for names the wrapper lacks
+        if name == "reward":  # not yet set (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self.reward, name)
+
+
 _STAND_IN = False
 
 
@@ -87,17 +97,12 @@ class StandInReward:
         return RewardOutput(scores=spread + 0.0 * mean)
 
 
-class MeteredReward:
+class MeteredReward(_RewardWrapper):
     """A reward whose calls the work meter counts (flowrl.work.scored: images, and the backward through the reward
     where a recipe takes its gradient). Every other attribute is the wrapped reward's."""
 
     def __init__(self, reward: Any, name: str):
         self.reward, self.metered_name = reward, name
-
-    def __getattr__(self, name: str) -> Any:  # only for names the wrapper lacks
-        if name == "reward":  # not yet set (copy, unpickling)
-            raise AttributeError(name)
-        return getattr(self.reward, name)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
         out = self.reward(images, prompts, metadata)
@@ -105,7 +110,7 @@ class MeteredReward:
         return out
 
 
-class BatchedReward:
+class BatchedReward(_RewardWrapper):
     """A reward called on at most `batch_size` samples at a time; scores and parts concatenated in order. Every
     other attribute (registry_name, modalities, differentiable, the model) is the wrapped reward's."""
 
@@ -113,11 +118,6 @@ class BatchedReward:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be a whole number >= 1 (samples per reward call)")
         self.reward, self.batch_size = reward, batch_size
-
-    def __getattr__(self, name: str) -> Any:  # only for names the wrapper lacks
-        if name == "reward":  # not yet set (copy, unpickling)
-            raise AttributeError(name)
-        return getattr(self.reward, name)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
         b = self.batch_size

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from flowrl.bench import cost
-from flowrl.models import archs
+from flowrl.models import arch_configs, archs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -218,10 +218,10 @@ def test_text_encoder_counts_match_meta_builds():
 
     with torch.device("meta"):
         built = {
-            "CLIP-L": transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(**archs.CLIP_L)),
-            "CLIP-G": transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(**archs.CLIP_G)),
-            "T5-XXL": transformers.T5EncoderModel(transformers.T5Config(**archs.T5_XXL)),
-            "UMT5-XXL": transformers.UMT5EncoderModel(transformers.UMT5Config(**archs.UMT5_XXL)),
+            "CLIP-L": transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(**arch_configs.CLIP_L)),
+            "CLIP-G": transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(**arch_configs.CLIP_G)),
+            "T5-XXL": transformers.T5EncoderModel(transformers.T5Config(**arch_configs.T5_XXL)),
+            "UMT5-XXL": transformers.UMT5EncoderModel(transformers.UMT5Config(**arch_configs.UMT5_XXL)),
         }
         connectors = LTX2TextConnectors(rope_type="split")  # diffusers' defaults are LTX-2's connector config
     encoders = {e.name: e for a in archs.ARCHS.values() for e in a.text_encoders}

@@ -1,4 +1,4 @@
-"""flowrl.bench.memory: activation counts against hand counts, the estimate of one training micro-batch against its
+"""flowrl.bench.activations and flowrl.bench.memory: activation counts against hand counts, the estimate of one training micro-batch against its
 measured CPU peak (toy model and tiny SD3 transformer, LoRA and full fine-tuning, with and without gradient
 checkpointing), the sharding arithmetic and the suggestions by hand."""
 
@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from flowrl.bench import activations as A
 from flowrl.bench import memory as M
 
 MIB = 2**20
@@ -27,13 +28,13 @@ def test_activation_bytes_of_a_two_layer_mlp_is_the_hand_count():
     rows = 4
     # the first Linear saves its input (for its weight gradient), ReLU its output, which the second Linear saves again
     # (the same storage: counted once); the weights autograd saves for the input gradients are not activations
-    assert M.activation_bytes(_mlp(), lambda r: torch.randn(r, 16), rows=rows) == rows * 16 * 4 + rows * 32 * 4
+    assert A.activation_bytes(_mlp(), lambda r: torch.randn(r, 16), rows=rows) == rows * 16 * 4 + rows * 32 * 4
     frozen_first = _mlp()
     frozen_first[0].requires_grad_(False)  # nothing before the second Linear trains: only its input is saved
-    assert M.activation_bytes(frozen_first, lambda r: torch.randn(r, 16), rows=rows) == rows * 32 * 4
+    assert A.activation_bytes(frozen_first, lambda r: torch.randn(r, 16), rows=rows) == rows * 32 * 4
     with torch.device("meta"):  # the same count without memory
         meta = _mlp()
-        assert M.activation_bytes(meta, lambda r: torch.randn(r, 16), rows=rows) == rows * 16 * 4 + rows * 32 * 4
+        assert A.activation_bytes(meta, lambda r: torch.randn(r, 16), rows=rows) == rows * 16 * 4 + rows * 32 * 4
 
 
 class _Blocks(torch.nn.Module):
@@ -63,8 +64,8 @@ def test_checkpointing_counts_block_inputs_plus_the_largest_block():
     rows, act = 5, 5 * 8 * 4  # one [rows, 8] float32 activation
     module = _Blocks()
     # each block saves its input and its ReLU output
-    assert M.activation_bytes(module, lambda r: torch.randn(r, 8), rows=rows) == 3 * 2 * act
-    count = M.count_activations(module, lambda r: torch.randn(r, 8), rows=rows, checkpointing=True, working=True)
+    assert A.activation_bytes(module, lambda r: torch.randn(r, 8), rows=rows) == 3 * 2 * act
+    count = A.count_activations(module, lambda r: torch.randn(r, 8), rows=rows, checkpointing=True, working=True)
     # the checkpoint keeps the three block inputs; one block at a time recomputes its ReLU output
     assert (count.kept, count.blocks, count.total) == (3 * act, [act, act, act], 4 * act)
     assert count.working >= count.total - act  # the tracked forward + backward holds about what was counted
@@ -82,7 +83,7 @@ def test_measure_peak_tracks_frees_and_views():
         view = c[10:]  # the same storage: nothing new
         return b, view
 
-    assert M.measure_peak(fn, alive=[weight]) == 440 + 10000
+    assert A.measure_peak(fn, alive=[weight]) == 440 + 10000
 
 
 # ------------------------------------------------------------------------------------------ (b) estimate vs measured
@@ -155,7 +156,7 @@ def test_estimate_of_one_micro_batch_is_within_25_percent_of_its_measured_peak(f
     model, twin, cond, meta_inputs, frozen = _toy(rows) if family == "toy" else _sd3(rows, sd3_folder)
     if lora:  # as configs/toy/grpo.yaml: rank 16, alpha 16 on the family's LoRA targets
         model.add_lora(rank=16, alpha=16)
-        M.with_lora(twin, 16, model.lora_target_modules, alpha=16)
+        A.with_lora(twin, 16, model.lora_target_modules, alpha=16)
     else:
         model.transformer.requires_grad_(True)
         twin.requires_grad_(True)
@@ -172,13 +173,13 @@ def test_estimate_of_one_micro_batch_is_within_25_percent_of_its_measured_peak(f
         opt.step(loss.detach()[None])
 
     micro_batch()  # the optimizer's state exists from the first step on
-    measured = M.measure_peak(micro_batch, alive=[model.transformer, opt.optimizer, x, sigma, cond, target, frozen])
+    measured = A.measure_peak(micro_batch, alive=[model.transformer, opt.optimizer, x, sigma, cond, target, frozen])
 
-    count = M.count_activations(twin, meta_inputs, rows=rows, checkpointing=ckpt, working=True)
+    count = A.count_activations(twin, meta_inputs, rows=rows, checkpointing=ckpt, working=True)
     transformer = model.transformer
-    trained = M.param_count(transformer, trainable=True)
+    trained = A.param_count(transformer, trainable=True)
     plan = M.MemoryPlan(
-        params=M.param_count(transformer, trainable=False) if lora else trained,
+        params=A.param_count(transformer, trainable=False) if lora else trained,
         activation_row_bytes={(lora, ckpt): count.total / rows},
         transient_bytes={(lora, ckpt): count.transient},
         rows=rows,
@@ -187,8 +188,8 @@ def test_estimate_of_one_micro_batch_is_within_25_percent_of_its_measured_peak(f
         checkpointing=ckpt,
         weight_dtype="float32",
         mixed_precision="fp32",
-        buffer_bytes=M.storage_bytes(list(transformer.buffers())),
-        frozen=tuple(M.Frozen(name, M.param_count(m), "float32") for name, m in frozen.items()),
+        buffer_bytes=A.storage_bytes(list(transformer.buffers())),
+        frozen=tuple(M.Frozen(name, A.param_count(m), "float32") for name, m in frozen.items()),
         gpu=False,
     )
     parts = M.estimate_peak(plan)
@@ -207,7 +208,7 @@ def test_estimate_of_one_micro_batch_is_within_25_percent_of_its_measured_peak(f
                 pooled_projections=cond["pooled_prompt_embeds"][:r],
             )
 
-        assert M.activation_bytes(transformer, inputs, rows=rows, checkpointing=ckpt) == count.total
+        assert A.activation_bytes(transformer, inputs, rows=rows, checkpointing=ckpt) == count.total
 
 
 # ------------------------------------------------------------------------------------------ (c) sharding by hand

@@ -16,12 +16,13 @@ TEST_THREADS ?= 1
 venv: $(STAMP)
 
 # extras: ocr = rapidocr + onnxruntime (the default OCR backend, its models inside the wheel); tesseract =
-# pytesseract (pure Python), so the tesseract backend's tests run wherever the binary is (.ci/run installs it)
+# pytesseract (pure Python), so the tesseract backend's tests run wherever the binary is (.ci/run installs it);
+# serve = Ray Serve, so the reward service's tests run against a real local Ray
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[test,ocr,tesseract,video]"
+	$(PY) -m pip install -q -e ".[test,ocr,tesseract,video,serve]"
 	touch $(STAMP)
 
 demo: $(STAMP)

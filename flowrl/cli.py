@@ -184,36 +184,16 @@ def _parse_sets(pairs: list[str] | None) -> dict:
     return kwargs
 
 
-def _build_reward(name: str, pairs: list[str] | None, device: str | None, dtype: str):
-    """The reward `name` built with `--set` pairs; a setting its constructor lacks (or misses) is a one-line error."""
-    import difflib
-    import inspect
-
+def _build_reward(name: str, pairs: list[str] | None, device: str | None, dtype: str, settings: dict | None = None):
+    """The reward `name` built with `--set` pairs (checked by check_settings), or with checked `settings`."""
     import torch
 
     from flowrl.registry import REWARDS
+    from flowrl.reward_contract import check_settings
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cls = REWARDS.get(name)
-    kwargs = _parse_sets(pairs)
-    for key in ("device", "dtype"):
-        if key in kwargs:
-            raise ValueError(f"--set {key}=... is not a reward setting; pass --{key} {kwargs[key]} instead")
-    params = inspect.signature(cls).parameters
-    settings = [k for k, p in params.items() if k not in ("device", "dtype") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        for key in kwargs:
-            if key not in params:
-                close = difflib.get_close_matches(key, settings, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(
-                    f"--set {key}=...: reward {name!r} has no setting {key!r}{hint}; "
-                    f"its settings are {', '.join(settings) or 'none'}"
-                )
-    for key in settings:
-        if params[key].default is inspect.Parameter.empty and key not in kwargs:
-            raise ValueError(f"reward {name!r} needs the setting {key!r}; pass --set {key}=VALUE")
-    return cls(device=device, dtype=getattr(torch, dtype), **kwargs)
+    settings = check_settings(name, _parse_sets(pairs)) if settings is None else settings
+    return REWARDS.get(name)(device=device, dtype=getattr(torch, dtype), **settings)
 
 
 def _add_rewards(sub: argparse._SubParsersAction) -> None:
@@ -307,24 +287,99 @@ def _run_score(args: argparse.Namespace) -> int:
 
 
 def _add_serve_reward(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve-reward", help="serve one registered reward over HTTP for the `remote` reward")
-    p.add_argument("reward", help="registered name or dotted path")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="reward config, e.g. --set checkpoint=/path")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
+    p = sub.add_parser(
+        "serve-reward",
+        help="serve registered rewards over HTTP for the `remote` reward (Ray Serve replicas with batching across requests)",
+    )
+    p.add_argument("name", nargs="?", help="the reward to serve (registered name or dotted path)")
+    p.add_argument("--reward", action="append", default=[], metavar="NAME", help="serve this reward too (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="[NAME:]KEY=VALUE",
+        help="reward config, e.g. --set checkpoint=/path; NAME: prefixes a setting of one reward when several are served",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only; any other needs --token)")
     p.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed at start)")
     p.add_argument("--token", default=None, help="require `Authorization: Bearer TOKEN` on every request")
+    p.add_argument(
+        "--engine",
+        default="ray",
+        choices=["ray", "local"],
+        help="ray: Ray Serve replicas (flowrl[serve]); local: this process, one request at a time",
+    )
+    p.add_argument("--replicas", type=int, default=1, help="replicas per reward (ray)")
+    p.add_argument("--gpus-per-replica", type=float, default=None, help="GPUs per replica (ray; default 1 where CUDA is, else 0)")
+    p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs per replica (ray; fractions share a core)")
+    p.add_argument("--max-batch-size", type=int, default=16, help="images per forward, gathered across requests (ray)")
+    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="longest wait for a batch to fill (ray)")
+    p.add_argument("--max-body-mb", type=float, default=256.0, help="a request body over this is answered 413 unread")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
-def _run_serve_reward(args: argparse.Namespace) -> int:
-    from flowrl.rewards._server import make_server
+def _serve_settings(names: list[str], pairs: list[str] | None) -> dict[str, dict]:
+    """{reward: its checked settings}; `NAME:KEY=VALUE` goes to NAME only, `KEY=VALUE` to every reward."""
+    from flowrl.reward_contract import check_settings
 
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
-        print(f"flowrl serve-reward: warning: listening on {args.host} without --token", file=sys.stderr)
-    server = make_server(_build_reward(args.reward, args.set, args.device, args.dtype), args.host, args.port, args.token)
+    for pair in pairs or []:
+        prefix = pair.split("=", 1)[0].split(":", 1)
+        if len(prefix) == 2 and prefix[0] not in names:
+            raise ValueError(f"--set {pair}: {prefix[0]!r} is not a served reward; serve it with --reward {prefix[0]}")
+    own = lambda name, pair: pair.split(":", 1)[1] if pair.startswith(f"{name}:") else pair  # noqa: E731
+    mine = lambda name, pair: pair.startswith(f"{name}:") or ":" not in pair.split("=", 1)[0]  # noqa: E731
+    return {name: check_settings(name, _parse_sets([own(name, p) for p in pairs or [] if mine(name, p)])) for name in names}
+
+
+def _run_serve_reward(args: argparse.Namespace) -> int:
+    import signal
+
+    import torch
+
+    from flowrl.rewards._server import LOOPBACK, LocalBackend, make_server
+
+    names = list(dict.fromkeys(([args.name] if args.name else []) + args.reward))
+    if not names:
+        raise ValueError("serve-reward: name a reward, e.g. `flowrl serve-reward pickscore` (more with --reward NAME)")
+    if args.host not in LOOPBACK and not args.token:
+        raise ValueError(f"--host {args.host} is reachable from other machines; pass --token TOKEN (or bind to 127.0.0.1)")
+    settings = _serve_settings(names, args.set)
+    if args.engine == "local":
+        backend = LocalBackend({n: _build_reward(n, None, args.device, args.dtype, settings[n]) for n in names})
+    else:
+        try:
+            from flowrl.rewards._ray_serve import RayBackend
+        except ImportError:
+            raise ValueError("--engine ray needs Ray Serve: pip install 'flowrl[serve]' (or pass --engine local)") from None
+        gpus = args.gpus_per_replica if args.gpus_per_replica is not None else float(torch.cuda.is_available())
+        try:
+            backend = RayBackend(
+                settings,
+                device=args.device,
+                dtype=args.dtype,
+                replicas=args.replicas,
+                gpus_per_replica=gpus,
+                cpus_per_replica=args.cpus_per_replica,
+                max_batch_size=args.max_batch_size,
+                batch_wait_ms=args.batch_wait_ms,
+            )
+        except RuntimeError as err:  # a replica failed to build its reward: its one-line cause, Ray already stopped
+            print(f"flowrl serve-reward: error: {err}", file=sys.stderr)
+            return 1
+    try:
+        server = make_server(backend, args.host, args.port, args.token, max_body_bytes=int(args.max_body_mb * 2**20))
+    except BaseException:
+        backend.close()
+        raise
+
+    def stop(signum, frame):  # SIGTERM: leave serve_forever, then close the server and its backend (Ray stopped)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     host, port = server.server_address[:2]
-    print(f"flowrl serve-reward: serving {args.reward} on http://{host}:{port}", flush=True)
+    print(f"flowrl serve-reward: serving {', '.join(names)} on http://{host}:{port}", flush=True)
+    if getattr(backend, "address", None):  # `ray status --address ...` and ray.init(address=...) reach its replicas
+        print(f"flowrl serve-reward: Ray at {backend.address}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -1,5 +1,5 @@
 """The Reward contract, in core: input checks every reward runs, and the checked call used by
-`flowrl score`, `flowrl serve-reward` and the benchmarks.
+`flowrl score`, `flowrl serve-reward` and the benchmarks; the check of a reward's settings before it is built.
 
 Every error is one line naming the field, the value and the fix.
 """
@@ -97,3 +97,32 @@ def _first_failing_index(reward: Any, images: torch.Tensor, prompts: list[str], 
 def nan_to_none(values: list[float]) -> list[float | None]:
     """JSON has no NaN: "not applicable" travels as null."""
     return [None if (v is None or math.isnan(v)) else v for v in values]
+
+
+def check_settings(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` (`--set` pairs) checked against reward `name`'s constructor: a setting it lacks (or misses) is a
+    one-line error; returned as given."""
+    import difflib
+    import inspect
+
+    from flowrl.registry import REWARDS
+
+    cls = REWARDS.get(name)
+    for key in ("device", "dtype"):
+        if key in kwargs:
+            raise ValueError(f"--set {key}=... is not a reward setting; pass --{key} {kwargs[key]} instead")
+    params = inspect.signature(cls).parameters
+    settings = [k for k, p in params.items() if k not in ("device", "dtype") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for key in kwargs:
+            if key not in params:
+                close = difflib.get_close_matches(key, settings, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(
+                    f"--set {key}=...: reward {name!r} has no setting {key!r}{hint}; "
+                    f"its settings are {', '.join(settings) or 'none'}"
+                )
+    for key in settings:
+        if params[key].default is inspect.Parameter.empty and key not in kwargs:
+            raise ValueError(f"reward {name!r} needs the setting {key!r}; pass --set {key}=VALUE")
+    return kwargs

@@ -1,26 +1,37 @@
-"""HTTP server behind `flowrl serve-reward`: serves one registered reward to `remote` clients.
+"""The HTTP front of `flowrl serve-reward`: serves registered rewards to `remote` clients, scoring them in this
+process (`LocalBackend`) or on Ray Serve replicas (rewards/_ray_serve.py).
 
-Protocol (HTTP/1.1):
-  GET  /health -> 200 {"status": "ok", "reward": NAME, "modalities": [...], "differentiable": false}
-  POST /score  Content-Type: application/x-safetensors, optional Content-Encoding: deflate (a zlib stream).
+Protocol (HTTP/1.1; every request carries `Authorization: Bearer TOKEN` when the server has a token):
+  GET  /health -> 200 {"status": "ok", "rewards": {NAME: {"modalities": [...], "differentiable": false}}, "stats": {...}}
+               (one reward served: also "reward", "modalities", "differentiable" at the top level)
+  POST /score/NAME (or /score when one reward is served)
+               Content-Type: application/x-safetensors, optional Content-Encoding: deflate (a zlib stream).
                The body is one safetensors file holding one uint8 tensor, "images" [N, 3, H, W] or
                "videos" [N, F, 3, H, W] (values round(x * 255)); its header metadata holds "prompts" (a JSON list of
                N strings) and "metadata" (a JSON list of N objects, optional).
                The reward sees pixels / 255: the same float32 values the former PNG transport produced.
-  POST /score  Content-Type: application/json (older clients, `encoding=png`):
+               Content-Type: application/json (older clients, `encoding=png`):
                {"prompts": [N], "metadata": [N], "images": [N base64 PNG]} or {..., "videos": [N lists of base64 PNG]}
+               Optional `X-Request-Id`: a retry with the same id is answered from the first computation (waiting for it
+               while it runs), never scored twice; the same id with a different body is a 409.
             -> 200 {"scores": [N float or null (= NaN, not applicable)], "parts": {name: [N]}}
-  Errors: 401 {"error"} wrong/missing bearer token, 400 {"error"} bad request, 500 {"error"} the reward failed.
+               (Ray Serve: also "batch_images", the most images one forward held with this request's samples)
+  Errors, each {"error": one line naming the reward and the cause}: 401 wrong or missing token and 404 unknown path or
+  reward, 411 no Content-Length and 413 a body over the limit (each answered before the body is read, the connection
+  then closed), 400 a malformed batch, 409 a reused request id, 500 the reward failed, 503 a replica died (retry).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import threading
 import zlib
+from collections import Counter, OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -29,22 +40,27 @@ from flowrl.media import decode_png
 from flowrl.reward_contract import nan_to_none, score_checked
 
 SAFETENSORS = "application/x-safetensors"
+MAX_BODY_BYTES = 256 * 2**20  # a body (as sent) over this is answered 413 unread
+MAX_DECODED_BYTES = 1024 * 2**20  # a deflate body that inflates past this is answered 413
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class TooLarge(ValueError):
+    """The request is over a size limit (answered 413)."""
 
 
 Batch = tuple[torch.Tensor, list[str], list[dict[str, Any]]]
 
 
-def decode_request(raw: bytes, content_type: str = SAFETENSORS, content_encoding: str = "") -> Batch:
-    """A /score request body -> (images [N, 3, H, W] or videos [N, F, 3, H, W] float32 in [0, 1], prompts, metadata)."""
+def decode_request(
+    raw: bytes, content_type: str = SAFETENSORS, content_encoding: str = "", max_bytes: int = MAX_DECODED_BYTES
+) -> Batch:
+    """A /score request body -> (images [N, 3, H, W] or videos [N, F, 3, H, W] float32 in [0, 1], prompts, metadata).
+    A deflate body is inflated to at most `max_bytes` (over it: TooLarge)."""
     content_type = content_type.split(";")[0].strip().lower()
     content_encoding = content_encoding.strip().lower()
     if content_encoding == "deflate":
-        try:
-            raw = zlib.decompress(raw)
-        except zlib.error as err:
-            raise ValueError(
-                f"the body is not a deflate (zlib) stream ({err}); compress it with zlib.compress or drop Content-Encoding"
-            ) from None
+        raw = _inflate(raw, max_bytes)
     elif content_encoding not in ("", "identity"):
         raise ValueError(f"Content-Encoding {content_encoding!r} is not supported; send identity or deflate")
     if content_type == SAFETENSORS:
@@ -52,6 +68,21 @@ def decode_request(raw: bytes, content_type: str = SAFETENSORS, content_encoding
     if content_type == "application/json":
         return _decode_json(raw)
     raise ValueError(f"Content-Type {content_type!r} is not supported; send {SAFETENSORS} (or application/json with base64 PNGs)")
+
+
+def _inflate(raw: bytes, max_bytes: int) -> bytes:
+    inflater = zlib.decompressobj()
+    try:
+        out = inflater.decompress(raw, max_bytes + 1)  # never more than the cap + 1 byte in memory
+    except zlib.error as err:
+        raise ValueError(
+            f"the body is not a deflate (zlib) stream ({err}); compress it with zlib.compress or drop Content-Encoding"
+        ) from None
+    if len(out) > max_bytes:
+        raise TooLarge(f"the deflate body inflates past {max_bytes} bytes; send smaller batches")
+    if not inflater.eof:
+        raise ValueError("the body is not a deflate (zlib) stream (truncated); send the whole zlib.compress output")
+    return out
 
 
 def _decode_safetensors(raw: bytes) -> Batch:
@@ -107,10 +138,149 @@ def _check_texts(prompts: Any, metadata: Any, num: int) -> tuple[list[str], list
     return prompts, metadata
 
 
-def make_server(reward: Any, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> ThreadingHTTPServer:
-    """A server (not yet serving) for `reward`; port 0 picks a free port (see server.server_address)."""
-    lock = threading.Lock()  # one forward at a time: models are not re-entrant
-    name = getattr(reward, "registry_name", type(reward).__name__)
+Answer = tuple[int, dict[str, Any]]  # (HTTP status, JSON payload)
+
+
+def score_answer(name: str, reward: Any, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> Answer:
+    """Score one decoded batch in this process: (200, {"scores", "parts"}) or (400 / 500, {"error": one line})."""
+    try:
+        with torch.no_grad():
+            out = score_checked(reward, images, prompts, metadata)
+    except ValueError as err:
+        return 400, {"error": _named(name, str(err))}
+    except Exception as err:
+        return 500, {"error": _named(name, str(err), f"failed: {type(err).__name__}: ")}
+    parts = {k: nan_to_none(v.float().cpu().tolist()) for k, v in out.parts.items()}
+    return 200, {"scores": nan_to_none(out.scores.float().cpu().tolist()), "parts": parts}
+
+
+def decode_answer(name: str, raw: bytes, content_type: str, content_encoding: str, max_bytes: int) -> Answer | Batch:
+    """decode_request, its failures as answers (413 over the size limit, 400 malformed)."""
+    try:
+        return decode_request(raw, content_type, content_encoding, max_bytes)
+    except TooLarge as err:
+        return 413, {"error": _line(f"reward {name}: {err}")}
+    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as err:
+        return 400, {"error": _line(f"reward {name}: bad request: {err}")}
+
+
+def _line(text: str) -> str:
+    return " ".join(str(text).split())[:500]
+
+
+def _named(name: str, text: str, prefix: str = ": ") -> str:
+    """One line that names the reward (once: the contract's messages name it already)."""
+    return _line(text if name in text else f"reward {name}{' ' if prefix[0] != ':' else ''}{prefix}{text}")
+
+
+class Backend(Protocol):
+    """Where the front's requests are scored: `names`, `info(name)` -> {"modalities", "differentiable"},
+    `score(name, raw, content_type, content_encoding)` -> (status, payload), `close()`."""
+
+    names: list[str]
+
+    def info(self, name: str) -> dict[str, Any]: ...
+
+    def score(self, name: str, raw: bytes, content_type: str, content_encoding: str) -> Answer: ...
+
+    def close(self) -> None: ...
+
+
+class LocalBackend:
+    """Rewards scored in this process, one forward at a time per reward (models are not re-entrant)."""
+
+    def __init__(self, rewards: dict[str, Any], max_decoded_bytes: int = MAX_DECODED_BYTES):
+        self.rewards, self.names, self.max_decoded_bytes = dict(rewards), list(rewards), max_decoded_bytes
+        self.locks = {name: threading.Lock() for name in rewards}
+
+    def info(self, name: str) -> dict[str, Any]:
+        return {"modalities": list(self.rewards[name].modalities), "differentiable": False}
+
+    def score(self, name: str, raw: bytes, content_type: str, content_encoding: str) -> Answer:
+        decoded = decode_answer(name, raw, content_type, content_encoding, self.max_decoded_bytes)
+        if isinstance(decoded[0], int):
+            return decoded
+        with self.locks[name]:
+            return score_answer(name, self.rewards[name], *decoded)
+
+    def close(self) -> None:
+        pass
+
+
+class _Entry:
+    def __init__(self, digest: str):
+        self.digest, self.done, self.answer = digest, threading.Event(), None
+
+
+class Results:
+    """Answers by request id: the first request with an id computes, a retry with it waits for that computation and
+    gets its answer. Answers of 5xx are not kept (a retry after a failure computes again); the oldest finished entries
+    beyond `size` are forgotten."""
+
+    def __init__(self, size: int = 4096):
+        self.size, self.lock, self.entries = size, threading.Lock(), OrderedDict()
+
+    def run(self, key: str, digest: str, compute) -> tuple[Answer, bool]:
+        """(answer, reused): compute() once per key."""
+        with self.lock:
+            entry = self.entries.get(key)
+            owner = entry is None
+            if owner:
+                entry = self.entries[key] = _Entry(digest)
+                while len(self.entries) > self.size and next(iter(self.entries.values())).done.is_set():
+                    self.entries.popitem(last=False)
+        if not owner:
+            if entry.digest != digest:
+                return (409, {"error": f"request id {key!r} was used for a different body; send a fresh id per batch"}), False
+            entry.done.wait()
+            return entry.answer, True
+        try:
+            entry.answer = compute()
+        except Exception as err:  # a backend bug: answered, not kept
+            entry.answer = 500, {"error": _line(f"the service failed: {type(err).__name__}: {err}")}
+        finally:
+            if entry.answer is None or entry.answer[0] >= 500:
+                with self.lock:
+                    self.entries.pop(key, None)
+            entry.done.set()
+        return entry.answer, False
+
+
+class RewardServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer with the backend it fronts; server_close() closes the backend too."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, backend: Backend):
+        self.backend, self.stats, self.stats_lock = backend, Counter(), threading.Lock()
+        super().__init__(address, handler)
+
+    def count(self, key: str, by: int = 1) -> None:
+        with self.stats_lock:
+            self.stats[key] += by
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.backend.close()
+
+
+def make_server(
+    target: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    cache_size: int = 4096,
+) -> RewardServer:
+    """A server (not yet serving) for `target`: a Backend, or one reward object (scored in this process). Port 0 picks
+    a free port (see server.server_address). A host other than loopback needs a token."""
+    if host not in LOOPBACK and not token:
+        raise ValueError(f"host {host!r} is reachable from other machines; pass a token (--token) or bind to 127.0.0.1")
+    backend = target if hasattr(target, "score") and hasattr(target, "names") else None
+    if backend is None:
+        backend = LocalBackend({getattr(target, "registry_name", type(target).__name__): target})
+    expected = f"Bearer {token}".encode() if token else None
+    results = Results(cache_size)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -119,18 +289,23 @@ def make_server(reward: Any, host: str = "127.0.0.1", port: int = 0, token: str 
         def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per request is noise here
             pass
 
-        def _send(self, status: int, payload: dict[str, Any]) -> None:
+        def _send(self, status: int, payload: dict[str, Any], unread: bool = False) -> None:
             data = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if unread:  # the body was not read: the connection cannot carry another request
+                self.send_header("Connection", "close")
+                self.close_connection = True
             self.end_headers()
             self.wfile.write(data)
 
         def _authorized(self) -> bool:
-            if token is None or self.headers.get("Authorization") == f"Bearer {token}":
+            given = self.headers.get("Authorization", "").encode()
+            if expected is None or hmac.compare_digest(given, expected):
                 return True
-            self._send(401, {"error": "missing or wrong bearer token; pass the server's --token to the client"})
+            self.server.count("unauthorized")
+            self._send(401, {"error": "missing or wrong bearer token; pass the server's --token to the client"}, True)
             return False
 
         def do_GET(self) -> None:
@@ -138,30 +313,64 @@ def make_server(reward: Any, host: str = "127.0.0.1", port: int = 0, token: str 
                 return
             if self.path != "/health":
                 return self._send(404, {"error": f"unknown path {self.path}; use /health or /score"})
-            self._send(200, {"status": "ok", "reward": name, "modalities": list(reward.modalities), "differentiable": False})
+            rewards = {name: backend.info(name) for name in backend.names}
+            with self.server.stats_lock:
+                stats = {**self.server.stats, **getattr(backend, "stats", {})}
+                payload = {"status": "ok", "rewards": rewards, "stats": stats}
+            if len(rewards) == 1:
+                ((name, info),) = rewards.items()
+                payload.update(reward=name, **info)
+            self._send(200, payload)
+
+        def _reward(self) -> str | None:
+            path = self.path.split("?", 1)[0]
+            if path == "/score" and len(backend.names) == 1:
+                return backend.names[0]
+            if path.startswith("/score/") and path[len("/score/") :] in backend.names:
+                return path[len("/score/") :]
+            served = ", ".join(backend.names)
+            if path == "/score":
+                error = f"several rewards are served ({served}); POST to /score/NAME"
+            elif path.startswith("/score/"):
+                error = f"unknown reward {path[len('/score/') :]!r}; this service serves {served}"
+            else:
+                error = f"unknown path {path}; POST to /score/NAME ({served})"
+            self._send(404, {"error": error}, True)
+            return None
 
         def do_POST(self) -> None:
-            length = self.headers.get("Content-Length", "0")
-            raw = self.rfile.read(int(length)) if length.isdigit() else b""
-            self.close_connection = self.close_connection or not length.isdigit()  # unread body: drop the connection
             if not self._authorized():
                 return
-            if self.path != "/score":
-                return self._send(404, {"error": f"unknown path {self.path}; POST to /score"})
-            try:
-                images, prompts, metadata = decode_request(
-                    raw, self.headers.get("Content-Type", SAFETENSORS), self.headers.get("Content-Encoding", "")
-                )
-            except (ValueError, KeyError, TypeError, OSError, RuntimeError) as err:
-                return self._send(400, {"error": f"bad request: {err}"})
-            try:
-                with lock, torch.no_grad():
-                    out = score_checked(reward, images, prompts, metadata)
-            except ValueError as err:
-                return self._send(400, {"error": str(err)})
-            except Exception as err:
-                return self._send(500, {"error": f"{type(err).__name__}: {err}"})
-            parts = {k: nan_to_none(v.float().cpu().tolist()) for k, v in out.parts.items()}
-            self._send(200, {"scores": nan_to_none(out.scores.cpu().tolist()), "parts": parts})
+            name = self._reward()
+            if name is None:
+                return
+            length = self.headers.get("Content-Length", "")
+            if not length.isdigit():
+                return self._send(411, {"error": "send the body with a Content-Length header"}, True)
+            if int(length) > max_body_bytes:
+                self.server.count("too_large")
+                error = f"reward {name}: the body ({length} bytes) is over the limit of {max_body_bytes}; send smaller batches"
+                return self._send(413, {"error": error}, True)
+            raw = self.rfile.read(int(length))
+            kind, encoding = self.headers.get("Content-Type", SAFETENSORS), self.headers.get("Content-Encoding", "")
+            request_id = self.headers.get("X-Request-Id", "")
 
-    return ThreadingHTTPServer((host, port), Handler)
+            def compute() -> Answer:
+                self.server.count("computed")
+                self.server.count("in_flight")
+                try:
+                    return backend.score(name, raw, kind, encoding)
+                finally:
+                    self.server.count("in_flight", -1)
+
+            if request_id:
+                digest = hashlib.sha256(b"%s\0%s\0%s\0" % (kind.encode(), encoding.encode(), raw)).hexdigest()
+                (status, payload), reused = results.run(f"{name}\0{request_id}", digest, compute)
+                if reused:
+                    self.server.count("deduplicated")
+            else:
+                status, payload = compute()
+            self.server.count(f"status_{status}")
+            self._send(status, payload)
+
+    return RewardServer((host, port), Handler, backend)

@@ -8,6 +8,7 @@ the reward tests and `flowrl bench rewards` load them through each plugin's own 
 from __future__ import annotations
 
 import json
+import math
 import string
 from collections.abc import Callable
 from pathlib import Path
@@ -261,6 +262,118 @@ def _dino(folder: Path) -> dict[str, Any]:
     return {"model": str(folder / "dinov2"), "references": [reference], "image_size": 32}
 
 
+QWEN2_VL_SPECIALS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+QWEN2_VL_CHAT_TEMPLATE = (  # Qwen/Qwen2-VL-7B-Instruct's chat_template.json
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}"
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_hpsv3(folder: Path, pixels: int = 768) -> dict[str, Any]:
+    """HPSv3's release layout at toy size: a Qwen2-VL base folder (a flat config.json as on the hub, a byte-level
+    Qwen2 tokenizer without merges, Qwen2VLProcessor files with the real chat template; patch 4, merge 2, hidden 32)
+    and HPSv3.safetensors, the reward model's state dict in transformers 4.45 names (`visual.*`, `model.*`,
+    `lm_head.weight`, `rm_head.{0,3,5}.*`; backbone in bfloat16, head in float32, the embedding resized to the
+    tokenizer plus <|Reward|>). Weights are Gaussian with 1/sqrt(fan-in) scale so the image moves the score."""
+    from safetensors.torch import save_file
+    from transformers import (
+        AutoConfig,
+        Qwen2Tokenizer,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    base = folder / "Qwen2-VL"
+    characters = bytes_to_unicode()
+    tokenizer = Qwen2Tokenizer(vocab={characters[b]: b for b in range(256)}, merges=[])  # <|endoftext|> = 256
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN2_VL_SPECIALS)})
+    sizes = dict(patch_size=4, merge_size=2, temporal_patch_size=2)
+    image_processor = Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels, **sizes)
+    video_processor = Qwen2VLVideoProcessor(**sizes)
+    processor = Qwen2VLProcessor(image_processor, tokenizer, video_processor, chat_template=QWEN2_VL_CHAT_TEMPLATE)
+    processor.save_pretrained(base)
+    token = dict(zip(QWEN2_VL_SPECIALS, tokenizer.convert_tokens_to_ids(list(QWEN2_VL_SPECIALS))))
+    config = {  # the flat layout of Qwen/Qwen2-VL-7B-Instruct's config.json (transformers 4.45)
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": "qwen2_vl",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "vocab_size": len(tokenizer) + 8,  # padded beyond the tokenizer, as the release's 152064
+        "bos_token_id": tokenizer.pad_token_id,
+        "eos_token_id": token["<|im_end|>"],
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 2,
+        "vision_start_token_id": token["<|vision_start|>"],
+        "vision_end_token_id": token["<|vision_end|>"],
+        "vision_token_id": token["<|vision_pad|>"],
+        "image_token_id": token["<|image_pad|>"],
+        "video_token_id": token["<|video_pad|>"],
+        "vision_config": {
+            "depth": 2,
+            "embed_dim": 32,
+            "mlp_ratio": 2,
+            "num_heads": 2,
+            "in_chans": 3,
+            "hidden_size": 32,
+            "patch_size": 4,
+            "spatial_merge_size": 2,
+            "spatial_patch_size": 4,
+            "temporal_patch_size": 2,
+        },
+        "transformers_version": "4.41.2",
+    }
+    (base / "config.json").write_text(json.dumps(config, indent=2))
+    model_config = AutoConfig.from_pretrained(base)
+    model_config.text_config.vocab_size = len(tokenizer) + 1  # resized to the tokenizer with <|Reward|> added
+    with torch.device("meta"):
+        names = Qwen2VLForConditionalGeneration(model_config).state_dict()
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for key, meta in names.items():
+        shape = tuple(meta.shape)
+        if len(shape) == 1:  # norm weights near 1, biases near 0
+            value = float(key.endswith(".weight")) + 0.1 * torch.randn(shape, generator=g)
+        else:  # embeddings unit Gaussian, the rest 1/sqrt(fan-in)
+            value = torch.randn(shape, generator=g) / (1 if "embed_tokens" in key else math.prod(shape[1:])) ** 0.5
+        old = key.replace("model.visual.", "visual.", 1).replace("model.language_model.", "model.", 1)  # 4.45 names
+        state[old] = value.to(torch.bfloat16)
+    widths = (config["hidden_size"], 1024, 16, 2)  # the release head's widths on the toy hidden size
+    for index, d_in, d_out in zip((0, 3, 5), widths[:-1], widths[1:]):
+        state[f"rm_head.{index}.weight"] = torch.randn(d_out, d_in, generator=g) / d_in**0.5
+        state[f"rm_head.{index}.bias"] = 0.1 * torch.randn(d_out, generator=g)
+    save_file(state, str(folder / "HPSv3.safetensors"))
+    return {"model_name": str(base), "checkpoint": str(folder / "HPSv3.safetensors"), "min_pixels": pixels, "max_pixels": pixels}
+
+
 TINY_REWARDS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "jpeg_compressibility": lambda folder: {},
     "jpeg_incompressibility": lambda folder: {},
@@ -275,4 +388,5 @@ TINY_REWARDS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "artifact": _artifact,
     "imagereward": make_imagereward_files,
     "dino_similarity": _dino,
+    "hpsv3": tiny_hpsv3,
 }

@@ -6,16 +6,21 @@ protocol). The served reward therefore sees values rounded to k/255, exactly wha
 gave it. `compression=zlib` deflates the payload (Content-Encoding: deflate) for slow links; the default, none,
 suits loopback and fast networks. `encoding=png` sends base64 PNGs in JSON, for servers older than this protocol.
 
+Each batch carries a fresh `X-Request-Id`, the same on every retry of it, so a server still scoring a batch when the
+client timed out answers the retry from that computation instead of scoring it twice. `reward` names one reward of
+a service that serves several (POST /score/NAME).
+
 Each request has a timeout; connection failures, timeouts and 502/503/504 answers are retried `max_retries` times
 with exponential backoff, then raise RemoteRewardError naming the URL, the attempts and the last failure. A wrong
-token (401), a rejected batch (400, ValueError), a failing reward (500) and a malformed answer raise at once, in one
-line naming the URL and the HTTP status: retrying would not help.
+token (401), a rejected batch (400, ValueError), a failing reward (500), a body over the server's limit (413) and a
+malformed answer raise at once, in one line naming the URL and the HTTP status: retrying would not help.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import uuid
 import zlib
 from typing import Any
 
@@ -77,6 +82,7 @@ class RemoteReward:
         backoff_s: float = 0.5,
         encoding: str = "safetensors",
         compression: str = "none",
+        reward: str | None = None,
     ):
         if not url or not url.startswith(("http://", "https://")):
             raise ValueError(
@@ -94,9 +100,10 @@ class RemoteReward:
         self.device, self.url, self.token = torch.device(device), url.rstrip("/"), token
         self.timeout_s, self.max_retries, self.backoff_s = float(timeout_s), int(max_retries), float(backoff_s)
         self.encoding, self.compression = encoding, compression
+        self.score_path = f"/score/{reward}" if reward else "/score"
 
     def _request(self, path: str, data: bytes | None = None, content: dict[str, str] | None = None) -> dict[str, Any]:
-        headers = dict(content or {})
+        headers = dict(content or {}, **({"X-Request-Id": uuid.uuid4().hex} if data is not None else {}))
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         try:
@@ -111,6 +118,8 @@ class RemoteReward:
                 ) from None
             if err.code == 400:
                 raise ValueError(f"remote {self.url}: server rejected the batch (HTTP 400): {message}") from None
+            if err.code == 413:
+                raise ValueError(f"remote {self.url}: batch too large for the server (HTTP 413): {message}") from None
             raise RemoteRewardError(f"remote {self.url}: HTTP {err.code}: {message}") from None
         except NoAnswer as err:
             raise RemoteRewardError(
@@ -127,7 +136,7 @@ class RemoteReward:
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         check_inputs("remote", images, prompts, metadata, modality="video" if images.dim() == 5 else "image")
-        answer = self._request("/score", *encode_batch(images, prompts, metadata, self.encoding, self.compression))
+        answer = self._request(self.score_path, *encode_batch(images, prompts, metadata, self.encoding, self.compression))
         scores = answer.get("scores") if isinstance(answer, dict) else None
         numbers = isinstance(scores, list) and all(s is None or isinstance(s, (int, float)) for s in scores)
         if not numbers or len(scores) != len(prompts):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 BENCHES = {
-    "rewards": "images/s of every reward; the remote reward over in-process",
+    "rewards": "images/s of every reward; the remote reward over in-process; the Ray Serve service with 1 and 2 replicas",
     "report": "time to build the report of a fabricated run",
     "train": "throughput and time shares of the toy GRPO config",
 }
@@ -32,6 +32,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         q = which.add_parser(name, help=text)
         q.add_argument("--json", required=True, help="output JSON path")
         q.add_argument("--repeats", type=int, default=5)
+        if name == "rewards":
+            q.add_argument(
+                "--parts",
+                default="tiny,real,remote,serve",
+                help="comma-separated: tiny, real (real-size CLIP/BLIP), remote (local engine), serve (Ray Serve replicas)",
+            )
     q = which.add_parser("tree", help="tree vs independent SDE rollouts at equal leaves and steps: forwards and wall per leaf")
     q.add_argument("--json", required=True, help="output JSON path")
     q.add_argument("--repeats", type=int, default=5)
@@ -154,6 +160,18 @@ def _run_bench(args: argparse.Namespace) -> int:
             split_steps=tuple(_int_list("--split-steps", args.split_steps)),
             families=tuple(name.strip() for name in args.families.split(",")),
         )
+    elif args.what == "rewards":
+        parts = {part.strip() for part in args.parts.split(",")}
+        unknown = parts - {"tiny", "real", "remote", "serve"}
+        if unknown:
+            raise ValueError(f"--parts {args.parts!r}: unknown {sorted(unknown)}; choose from tiny, real, remote, serve")
+        result = {}
+        if parts - {"serve"}:
+            result = speed.bench_rewards(repeats=args.repeats, real_sizes=bool(parts & {"real", "remote"}))
+        if "serve" in parts:
+            from flowrl.bench.serving import bench_serve
+
+            result["serve"] = bench_serve(rounds=max(args.repeats, 5))
     else:
         result = getattr(speed, f"bench_{args.what}")(repeats=args.repeats)
     with open(args.json, "w") as f:

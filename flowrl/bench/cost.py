@@ -281,7 +281,7 @@ class RewardCost:
 REWARDS: dict[str, RewardCost] = {
     "pickscore": RewardCost("clip-vit-h-14", note="PickScore_v1: CLIP ViT-H-14 image + prompt"),
     "hpsv2": RewardCost("clip-vit-h-14", note="HPSv2.1: open_clip ViT-H-14 image + prompt"),
-    "hpsv3": RewardCost("qwen2-vl-7b", note="HPSv3: Qwen2-VL-7B, estimate (448 px, ~356 LLM tokens)"),
+    "hpsv3": RewardCost("qwen2-vl-7b", note="HPSv3: Qwen2-VL-7B, hand count (448 px, ~790 LLM tokens)"),
     "clipscore": RewardCost("clip-vit-l-14", note="CLIP ViT-L/14 image + prompt"),
     "aesthetic": RewardCost("clip-vit-l-14", ("vision",), note="CLIP ViT-L/14 image + an MLP head"),
     "image_consistency": RewardCost("clip-vit-l-14", ("vision",), images=2, note="CLIP ViT-L/14: the image and its source"),
@@ -331,7 +331,8 @@ def reward_tflops(name: str) -> float:
     return sum(towers[t] * (spec.images if t == "vision" else 1) for t in spec.towers)
 
 
-_BACKBONE_PARAMS = {"qwen2-vl-7b": 8.29e9, "dinov2-base": 86.6e6}  # model cards (Qwen2-VL-7B-Instruct, dinov2-base)
+# Qwen2-VL-7B as HPSv3 holds it (its config on meta: 8.29 B less the 0.54 B LM head it does not load), dinov2-base card
+_BACKBONE_PARAMS = {"qwen2-vl-7b": 7.75e9, "dinov2-base": 86.6e6}
 
 
 @functools.cache

@@ -23,6 +23,14 @@ BASELINES = ("grpo_flowgrpo", "dancegrpo")  # Flow-GRPO's and DanceGRPO's struct
 ETA = "research"
 
 
+def median_if_most(values: list) -> float | None:
+    """Median of the non-null values; null when fewer than half of all the values are non-null (or none are)."""
+    reached = [v for v in values if v is not None]
+    if not reached or len(reached) < len(values) / 2:
+        return None
+    return statistics.median(reached)
+
+
 @functools.cache
 def _size():
     from flowrl.bench import cost
@@ -57,11 +65,6 @@ def projected_curve(run: dict, gpu: str) -> list[float] | None:
     return [round(projected_seconds(w, gpu), 3) for w in run["work_curve"]]
 
 
-def _median_if_most(values: list) -> float | None:
-    reached = [v for v in values if v is not None]
-    return statistics.median(reached) if reached and 2 * len(reached) >= len(values) else None
-
-
 def projection(runs: dict[str, dict[int, dict]], seeds: list[int], main_baseline: str) -> dict | None:
     """Projected seconds to each baseline's median final accuracy, per recipe and seed, and the speed-ups
     {gpu: {baseline: {recipe: x}}} (the baseline's median projected seconds over the recipe's). Baselines: the race's
@@ -89,9 +92,9 @@ def projection(runs: dict[str, dict[int, dict]], seeds: list[int], main_baseline
                 entry["seconds_to_target"][gpu][b] = seconds
     for gpu in PREVIEW_FORMAT:
         for b in baselines:
-            reference = _median_if_most(per_recipe[b]["seconds_to_target"][gpu][b])
+            reference = median_if_most(per_recipe[b]["seconds_to_target"][gpu][b])
             for name in runs:
-                mine = _median_if_most(per_recipe[name]["seconds_to_target"][gpu][b])
+                mine = median_if_most(per_recipe[name]["seconds_to_target"][gpu][b])
                 speedup[gpu][b][name] = round(reference / mine, 3) if reference and mine else None
     return {
         "priced_as": {"family": PRICED_AS[0], "height": PRICED_AS[1], "width": PRICED_AS[2]},

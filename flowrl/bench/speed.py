@@ -197,7 +197,7 @@ def _process_cpu_s(pid: int) -> float:
 @contextlib.contextmanager
 def _served_reward(name: str, sets: list[str], threads: int):
     """A `flowrl serve-reward NAME --port 0` subprocess on the CPU with `threads` torch threads; yields (URL, pid)."""
-    command = [sys.executable, "-m", "flowrl.cli", "serve-reward", name, "--port", "0", "--device", "cpu"]
+    command = [sys.executable, "-m", "flowrl.cli", "serve-reward", name, "--engine", "local", "--port", "0", "--device", "cpu"]
     command += [arg for pair in sets for arg in ("--set", pair)]
     with tempfile.TemporaryFile(mode="w+") as stderr:
         process = subprocess.Popen(

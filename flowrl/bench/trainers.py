@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flowrl.bench.projection import median_if_most
+
 REPO = Path(__file__).parents[2]  # = Path(flowrl.__file__).parents[1]
 TOY_CONFIGS = REPO / "configs" / "toy"
 BASELINE = "grpo"  # the recipe whose median final accuracy is the target
@@ -87,14 +89,6 @@ def recipe_order(recipes: list[str] | None, part: bool = False, baseline: str = 
             f"add it, e.g. --recipes {baseline},{recipes[0]} (or --part, to --merge with a race that has it)"
         )
     return [baseline] * (baseline in recipes) + [name for name in recipes if name != baseline]
-
-
-def median_if_most(values: list) -> float | None:
-    """Median of the non-null values; null when fewer than half of all the values are non-null (or none are)."""
-    reached = [v for v in values if v is not None]
-    if not reached or len(reached) < len(values) / 2:
-        return None
-    return statistics.median(reached)
 
 
 def first_reaching(curve: list[list[float]], target: float | None) -> tuple[int | None, float | None]:

@@ -336,10 +336,13 @@ REWARD_BACKBONES: dict[str, RewardBackbone] = {
     "blip-vit-l": RewardBackbone("blip", dict(vision=BLIP_VIT_L, text=BLIP_TEXT), text_tokens=IMAGEREWARD_TEXT_TOKENS,
                                  source="THUDM/ImageReward: BLIP ViT-L/16 at 224 + BERT-base with cross-attention"),
     "clip-vit-b-32": RewardBackbone("open_clip", OPEN_CLIP_VIT_B32, source="open_clip ViT-B-32 (openai)"),
-    # HPSv3 (MizzenAI/HPSv3): Qwen2-VL-7B-Instruct with a score head; an image at 448 x 448 -> 1024 ViT patches ->
-    # 256 merged LLM tokens, plus ~100 instruction and prompt tokens (an estimate: resolution and prompt assumed)
-    "qwen2-vl-7b": RewardBackbone("params", {"vision_params_b": 0.675, "vision_tokens": 1024}, text_tokens=356,
-                                  params_b=6.53, source="estimate: Qwen2-VL-7B, 448 px, 256 + 100 LLM tokens"),
+    # HPSv3 (MizzenAI/HPSv3, rewards/hpsv3.py): Qwen2-VL-7B-Instruct with a ranknet head; an image at 448 x 448 ->
+    # 1024 ViT patches -> 256 merged LLM tokens, in a chat of ~790 LLM tokens (HPSv3's rating instruction is ~500 of
+    # them, a prompt ~15). Parameters of the config built on meta: ViT + merger 0.676 B, LLM 6.526 B without the
+    # embedding. A hand count (2 x parameters x tokens): the vision tower does not run on meta (it reads grid_thw);
+    # the LLM counted on meta at 750 tokens is 2.3% above the hand count (attention)
+    "qwen2-vl-7b": RewardBackbone("params", {"vision_params_b": 0.676, "vision_tokens": 1024}, text_tokens=790,
+                                  params_b=6.526, source="hand count: Qwen2-VL-7B at 448 px, 1024 patches, ~790 LLM tokens"),
     # DINOv2-base (facebook/dinov2-base) at 224: 86.6 M parameters, 257 tokens
     "dinov2-base": RewardBackbone("params", {}, text_tokens=0, params_b=0.0866, image_tokens=257,
                                   source="facebook/dinov2-base model card (86.6 M) at 224 px"),

@@ -42,6 +42,8 @@ def served_clipscore(tmp_path_factory):
         "flowrl.cli",
         "serve-reward",
         "clipscore",
+        "--engine",
+        "local",
         "--set",
         f"model_name={folder}",
         "--set",
@@ -302,3 +304,52 @@ def test_server_errors_surface_in_one_line(status, error):
         assert server.calls == 1  # not retried
     finally:
         server.close()
+
+
+class _Slow(_Recorder):
+    def __call__(self, images, prompts, metadata):
+        time.sleep(1.5)
+        return super().__call__(images, prompts, metadata)
+
+
+def test_a_retry_after_a_timeout_is_answered_from_the_first_computation():
+    slow = _Slow()
+    server = make_server(slow, port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        remote = REWARDS.build("remote", url=url, timeout_s=0.4, max_retries=8, backoff_s=0.1)
+        images = _images(2)
+        out = remote(images, PROMPTS[:2], [{}, {}])  # the first attempts time out while the server scores
+        assert len(slow.calls) == 1  # scored once, whatever the retries
+        torch.testing.assert_close(out.scores, images.flatten(1).mean(1), atol=1e-6, rtol=0)
+        assert server.stats["computed"] == 1 and server.stats["deduplicated"] >= 1
+        remote(images, PROMPTS[:2], [{}, {}])  # a new batch: a new request id, scored again
+        assert len(slow.calls) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_deflate_body_is_inflated_up_to_the_limit_only():
+    from flowrl.rewards._server import LocalBackend
+
+    recorder = _Recorder()
+    server = make_server(LocalBackend({"recorder": recorder}, max_decoded_bytes=64 * 1024), port=0, max_body_bytes=10**6)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        small = REWARDS.build("remote", url=url, compression="zlib", max_retries=0)
+        small(_images(1), PROMPTS[:1], [{}])  # 3 KB inflated: under the limit
+        bomb = torch.zeros(8, 3, 64, 64)  # 98 KB of zeros, deflated to ~100 bytes
+        with pytest.raises(ValueError, match=r"HTTP 413\): reward recorder: the deflate body inflates past 65536 bytes"):
+            small(bomb, ["a"] * 8, [{}] * 8)
+        assert len(recorder.calls) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_public_host_needs_a_token():
+    with pytest.raises(ValueError, match="pass a token"):
+        make_server(_Recorder(), host="0.0.0.0", port=0)

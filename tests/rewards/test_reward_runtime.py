@@ -1,15 +1,17 @@
-"""How a configured reward runs: `dtype`, `device` and `batch_size` per reward (RewardConfig -> build_rewards), and
-PickScore under both transformers return forms of get_image_features / get_text_features (4.x: a tensor; 5.x: an
-output with `pooler_output`)."""
+"""How a configured reward runs: `dtype`, `device` and `batch_size` per reward (RewardConfig -> build_rewards), for
+every registered reward and in detail for PickScore; PickScore under both transformers return forms of
+get_image_features / get_text_features (4.x: a tensor; 5.x: an output with `pooler_output`)."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
 import yaml
-from tiny_checkpoints import tiny_pickscore
+from tiny_checkpoints import CONTRACT_PROMPTS, REWARD_FACTORIES, contract_metadata, tiny_pickscore
 
-from flowrl.config import ConfigError, dump_config
+from flowrl.config import ConfigError, RewardConfig, dump_config
 from flowrl.registry import REWARDS
 from flowrl.trainers import load_config
 from flowrl.training.scoring import BatchedReward, build_rewards, score_batch
@@ -97,6 +99,26 @@ def test_batched_reward_keeps_parts():
     torch.testing.assert_close(
         one_by_one(images, prompts, [{}] * 3).scores, REWARDS.build("jpeg_compressibility")(images, prompts, [{}] * 3).scores
     )
+
+
+@pytest.mark.parametrize("name", REWARDS.names())
+def test_every_reward_takes_the_run_settings(name, tiny_reward_kwargs, tmp_path):
+    """Every registered reward is built with a run's `dtype` and `device` (constructor arguments) and scored in chunks
+    of `batch_size` (BatchedReward), with the scores of one call."""
+    parameters = inspect.signature(REWARDS.get(name).__init__).parameters
+    assert {"device", "dtype"} <= set(parameters), f"{name}: __init__ must take device and dtype"
+    kwargs = tiny_reward_kwargs(name) if name in REWARD_FACTORIES else {}
+    spec = RewardConfig(name=name, kwargs=kwargs, dtype="fp32", device="cpu", batch_size=2)
+    chunked = build_rewards([spec], "cpu")[name]
+    assert isinstance(chunked.reward, BatchedReward) and chunked.reward.batch_size == 2
+    whole = REWARDS.build(name, device="cpu", dtype=torch.float32, **kwargs)
+    shape = (3, 3, 40, 36) if "image" in whole.modalities else (3, 4, 3, 40, 36)
+    images = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(0)).float() / 255
+    prompts = CONTRACT_PROMPTS.get(name, ['a sign that says "hello"', "a red cube on a table", 'the word "flow"'])
+    metadata = contract_metadata(name, 3, tmp_path)
+    expected = whole(images, prompts, metadata).scores
+    got = chunked(images, prompts, metadata).scores
+    torch.testing.assert_close(got.nan_to_num(-123.0), expected.nan_to_num(-123.0), atol=1e-5, rtol=1e-5)
 
 
 def test_reward_device_cuda_means_this_process_gpu(tmp_path, monkeypatch):

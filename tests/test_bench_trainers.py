@@ -238,6 +238,9 @@ def test_merged_per_seed_races_equal_the_race_of_all_seeds(tmp_path):
     assert merged == expected == json.loads((tmp_path / "race.json").read_text())
     assert merged["target_accuracy"] == 0.5 and merged["steps_to_grpo_final"] == {"grpo": 10, "ram": 2}
     assert (tmp_path / "race.png").read_bytes()[:8] == PNG_MAGIC
+    against_ram = race.merge_results(paths, baseline="ram")  # another recipe's median final as the target
+    assert against_ram["baseline"] == "ram" and against_ram["target_accuracy"] == 0.5
+    assert against_ram["steps_to_grpo_final"] == {"ram": 2, "grpo": 10}
     with pytest.raises(ValueError, match="grpo seed 0 is in two"):
         race.merge_results([paths[1], paths[1]])
     other = json.loads(paths[0].read_text())

@@ -56,7 +56,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--merge", nargs="+", default=None, help="race JSONs run apart (e.g. a seed each) -> one race at --json")
     q.add_argument("--part", action="store_true", help="--recipes may leave grpo out: a part to --merge with one that has it")
     q.add_argument(
-        "--baseline", default="grpo", help="the recipe whose median final accuracy is the target (grpo_i2v: the toy I2V world)"
+        "--baseline",
+        default=None,
+        help="the recipe whose median final accuracy is the target (default grpo; grpo_i2v: the toy I2V world; with --merge: the parts' own)",
     )
     q.add_argument("overrides", nargs="*", help="key.path=value overrides for every recipe, e.g. num_steps=30")
     q = which.add_parser("candidates", help="preview vs full-precision ranking fidelity and cost of every preview backend")
@@ -98,7 +100,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     if args.what == "trainers" and args.merge:
         from flowrl.bench.trainers import merge_results
 
-        merge_results(args.merge, args.json)
+        merge_results(args.merge, args.json, baseline=args.baseline)
         print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
         return 0
     if args.what == "trainers":
@@ -113,7 +115,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             num_seeds=_positive_int("--heldout-seeds", args.heldout_seeds),
             clock=args.clock,
             part=args.part,
-            baseline=args.baseline,
+            baseline=args.baseline or "grpo",
         )
         print(f"wrote {args.json} and its plot {Path(args.json).with_suffix('.png')}")
         return 0

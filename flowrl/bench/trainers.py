@@ -356,19 +356,20 @@ def _print_medians(result: dict) -> None:
         print(f"{name}: median steps {_cell(steps)}, seconds {_cell(seconds, '{:.1f}')}, x grpo {_cell(ratio)}", flush=True)
 
 
-def merge_results(paths: list[str | Path], out_json: str | Path | None = None) -> dict:
+def merge_results(paths: list[str | Path], out_json: str | Path | None = None, baseline: str | None = None) -> dict:
     """One race from the JSONs of races run apart (e.g. one process per seed): their runs pooled, the target and the
-    medians recomputed over all of them. They must agree on everything but the seeds (overrides, held-out seeds,
-    evaluation steps and interval, clock) and not repeat a (recipe, seed) run; GRPO's order comes first."""
+    medians recomputed over all of them. They must agree on everything but the seeds and the baseline (overrides,
+    held-out seeds, evaluation steps and interval, clock) and not repeat a (recipe, seed) run. The target is
+    `baseline`'s median final accuracy (default: the parts' own baseline, GRPO unless they were run with another)."""
     if len(paths) < 2:
         raise ValueError(f"--merge names {len(paths)} file(s); name at least two race JSONs, e.g. --merge s0.json s1.json")
     runs: dict[str, dict[int, dict]] = {}
     first = None
     for path in paths:
         part = json.loads(Path(path).read_text())
-        same = {k: v for k, v in part["settings"].items() if k != "seeds"}, part["overrides"]
+        same = {k: v for k, v in part["settings"].items() if k not in ("seeds", "baseline")}, part["overrides"]
         if first is None:
-            first, host = same, part["host"]
+            first, host, own = same, part["host"], part["settings"].get("baseline", BASELINE)
         elif same != first:
             raise ValueError(f"{path}: its settings or overrides {same} differ from {paths[0]}'s {first}; merge like races only")
         for name, entry in part["recipes"].items():
@@ -384,11 +385,11 @@ def merge_results(paths: list[str | Path], out_json: str | Path | None = None) -
                     "time_shares": entry.get("time_shares", [None] * len(entry["seeds"]))[k],
                     "work_curve": entry.get("work_curves", [None] * len(entry["seeds"]))[k],
                 }
-    baseline = first[0].get("baseline", BASELINE)
+    baseline = baseline or own
     if baseline not in runs:
         raise ValueError(f"none of {', '.join(map(str, paths))} has {baseline} runs: the target is its median final accuracy")
     runs = {name: dict(sorted(runs[name].items())) for name in [baseline] + [n for n in runs if n != baseline]}
-    settings = {**first[0], "seeds": sorted(runs[baseline])}
+    settings = {**first[0], **({"baseline": baseline} if baseline != own else {}), "seeds": sorted(runs[baseline])}
     result = race_result(runs, first[1], settings, host)
     _print_medians(result)
     if out_json is not None:

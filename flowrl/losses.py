@@ -1,5 +1,5 @@
 """Losses of the trainers, each a few lines over per-sample tensors (docs/math.md#clipped-surrogate,
-#kl-to-the-reference, #diffusionnft)."""
+#kl-to-the-reference, #diffusionnft; AWM: docs/recipes/awm.md)."""
 
 from __future__ import annotations
 
@@ -150,3 +150,55 @@ def adjoint_matching_loss(residual: torch.Tensor, clip: float | None) -> torch.T
     if clip is not None:
         squared = squared.clamp(max=clip)
     return squared / residual[0].numel()
+
+
+AWM_WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
+
+
+def awm_weighting(error: torch.Tensor, sigma: torch.Tensor, weighting: str = "ghuber", power: float = 0.25) -> torch.Tensor:
+    """AWM's weighted flow-matching error W(ℓ, t) per sample [n], float64 (docs/recipes/awm.md#the-loss); `error` ℓ ≥ 0
+    and `sigma` t, both [n]. 'uniform' ℓ, 't' t·ℓ, 't2' t²·ℓ, 'huber' t·(√(ℓ + 1e-10) − 1e-5), 'ghuber' (generalized
+    Huber) (t/p)·((ℓ + 1e-10)^p − (1e-10)^p), whose derivative in ℓ is t·(ℓ + 1e-10)^(p − 1)."""
+    ell, t = error.double(), sigma.double()
+    if weighting == "uniform":
+        return ell
+    if weighting == "t":
+        return t * ell
+    if weighting == "t2":
+        return t * t * ell
+    if weighting == "huber":
+        return t * (torch.sqrt(ell + 1e-10) - 1e-5)
+    if weighting == "ghuber":
+        return t / power * ((ell + 1e-10) ** power - 1e-10**power)
+    raise ValueError(f"train.weighting={weighting!r} must be one of {', '.join(AWM_WEIGHTINGS)}")
+
+
+def awm_log_prob(
+    v_theta: torch.Tensor,
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    sigma: torch.Tensor,
+    weighting: str = "ghuber",
+    power: float = 0.25,
+) -> torch.Tensor:
+    """AWM's "log-likelihood" −W(ℓ, t) per sample [n], float64, of ℓ = mean over elements of (v_θ − (ε − x0))², the
+    flow-matching error of v_θ at x_t = (1 − t)·x0 + t·ε (`sigma` t [n])."""
+    target = noise.double() - x0.double()
+    error = ((v_theta.double() - target) ** 2).mean(tuple(range(1, v_theta.ndim)))
+    return -awm_weighting(error, sigma, weighting, power)
+
+
+def awm_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    adv_clip_max: float,
+    advantage_max: float,
+    clip_range: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """AWM's policy term per sample [n]: the clipped surrogate max(−Â·ρ, −Â·clip(ρ, 1 − c, 1 + c)) of
+    ρ = exp(log p − sg(log p_old)) and Â = clip(A, ±A_max) / A_max · advantage_max. `old_log_probs` None: on policy,
+    log p_old = sg(log p), so ρ ≡ 1 exactly and the gradient is ∇ Â·W(ℓ, t). All float64."""
+    scaled = advantages.double().clamp(-adv_clip_max, adv_clip_max) / adv_clip_max * advantage_max
+    old = log_probs.detach() if old_log_probs is None else old_log_probs.detach().double()
+    return clipped_policy_loss(log_probs, old, scaled, clip_range)

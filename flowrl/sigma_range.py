@@ -4,7 +4,7 @@
 trained expert's side of `boundary_ratio` for Wan 2.2 A14B, whose frozen expert runs the rest of every trajectory
 (docs/models.md#wan-22). A transition or training time outside it has no gradient, so nothing trains there: the SDE
 sampler places an SDE window (`sde_window_size` > 0) on such steps (`trainable_steps`), GRPO trains only such
-transitions (`on_trainable_steps`), NFT and adjoint matching pick their training times among such grid times, RAM
+transitions (`on_trainable_steps`), NFT, AWM and adjoint matching pick their training times among such grid times, RAM
 draws its times inside the range. `check_trainable` refuses, before training, a config that leaves nothing there.
 """
 
@@ -49,7 +49,7 @@ def check_trainable(trainer: str, sampler: Sampler, model: FlowModel) -> None:
     steps = sampler.trained_steps(model, stochastic_only=trainer == "grpo")  # raises where a window cannot lie there
     if steps is None:
         return  # the checkpoint's own scheduler sets the grid at run time; NFT checks it there
-    if trainer in ("grpo", "nft", "adjoint_matching") and not steps.any():
+    if trainer in ("grpo", "nft", "awm", "adjoint_matching") and not steps.any():
         raise ValueError(
             f"sampler.num_steps={sampler.num_steps}: no {'stochastic ' if trainer == 'grpo' else ''}step of the rollout "
             f"is on {range_text(model)}; add steps or train the other expert"

@@ -283,6 +283,10 @@ CARRIES = {  # what a sampler's rollouts may hold (Sampler.carries())
     "log_probs": "behaviour log-probs of stochastic transitions (a policy-gradient ratio can be taken)",
     "per_edge": "transitions shared by several samples (a tree's edges): credit is per edge, not per sample",
     "memoryless": "the memoryless SDE of the current model on a grid short of σ = 1 (adjoint matching's law)",
+    "gaussian_steps": "each stochastic transition is scored by the exact density of the Gaussian it was drawn from (a "
+    "trainer can recompute its mean and std: GRPO-Guard's RatioNorm, Flow-DPPO's KL mask)",
+    "flow_grpo_steps": "the stochastic transitions are Flow-GRPO's SDE steps, g = a·√(σ/(1 − σ)) (what GRPO-Guard's 1/Δσ "
+    "reweighting equalises)",
 }
 NEEDS = {  # what a balancer may ask of the trainer (Balancer.needs()), beyond one advantage per sample
     "sample_mask": "the samples the balancer's `keep` masks take no part in the loss",

@@ -181,9 +181,12 @@ class SDESampler:
 
     def carries(self) -> frozenset[str]:
         """What its rollouts hold for a trainer (docs/recipes/compose.md): clean endpoints; behaviour log-probs where
-        some transition is stochastic; `memoryless` for the memoryless SDE (flow_grpo kind, a = √2, every transition
+        some transition is stochastic, `gaussian_steps` where they are exact Gaussian densities and `flow_grpo_steps`
+        where the steps are Flow-GRPO's; `memoryless` for the memoryless SDE (flow_grpo kind, a = √2, every transition
         stochastic) on a grid that stops short of σ = 1."""
         out = {"clean_endpoints"} | ({"log_probs"} if self.noise_level > 0 else set())
+        if self.noise_level > 0 and self.kind != "ode" and self.log_prob_mode == "gaussian":
+            out |= {"gaussian_steps"} | ({"flow_grpo_steps"} if self.kind == "flow_grpo" else set())
         memoryless = self.kind == "flow_grpo" and abs(self.noise_level - MEMORYLESS_NOISE_LEVEL) < 1e-6
         if memoryless and not self.sde_window_size and self.sigma_max < 1.0:
             out.add("memoryless")

@@ -130,9 +130,15 @@ class TreeSampler:
     def carries(self) -> frozenset[str]:
         """What its rollouts hold for a trainer (docs/recipes/compose.md): the leaves' clean endpoints, behaviour
         log-probs where some step is stochastic, and `per_edge`: a tree's edges are shared by the leaves below them,
-        so a policy-gradient trainer credits each edge from its leaves (one advantage per edge, not per sample)."""
+        so a policy-gradient trainer credits each edge from its leaves (one advantage per edge, not per sample);
+        `gaussian_steps` where every edge is scored by the density it was drawn from (not the 'unscaled' quirk) and
+        `flow_grpo_steps` where its steps are Flow-GRPO's."""
         stochastic = any(level > 0 for level in self.step_noise_levels())
-        return frozenset({"clean_endpoints", "per_edge"} | ({"log_probs"} if stochastic else set()))
+        out = {"clean_endpoints", "per_edge"} | ({"log_probs"} if stochastic else set())
+        exact = self.split_log_prob == "scaled" or not self.split_steps or self.split_noise_scale == 1.0
+        if stochastic and self.kind != "ode" and self.log_prob_mode == "gaussian" and exact:
+            out |= {"gaussian_steps"} | ({"flow_grpo_steps"} if self.kind == "flow_grpo" else set())
+        return frozenset(out)
 
     def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor:
         """[T] bool: the steps of its grid on the σ the model trains; with `stochastic_only`, only its stochastic ones."""

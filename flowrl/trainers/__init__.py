@@ -11,6 +11,7 @@ from pathlib import Path
 
 from flowrl import config as run_config
 from flowrl.trainers.adjoint import AdjointMatchingConfig, AdjointMatchingTrainer
+from flowrl.trainers.awm import AWMConfig, AWMTrainer
 from flowrl.trainers.grpo import GRPOConfig, GRPOTrainer
 from flowrl.trainers.nft import NFTConfig, NFTTrainer
 from flowrl.trainers.ram import RAMConfig, RAMTrainer
@@ -20,6 +21,7 @@ TRAINERS: dict[str, type] = {
     "nft": NFTTrainer,
     "ram": RAMTrainer,
     "adjoint_matching": AdjointMatchingTrainer,
+    "awm": AWMTrainer,
 }
 DEFAULT_TRAINER = "grpo"
 
@@ -51,6 +53,8 @@ def build_trainer(cfg: run_config.RunConfig, accelerator=None):
 __all__ = [
     "AdjointMatchingConfig",
     "AdjointMatchingTrainer",
+    "AWMConfig",
+    "AWMTrainer",
     "TRAINERS",
     "GRPOConfig",
     "GRPOTrainer",

@@ -7,7 +7,8 @@ Nothing here decides. A sampler states what its rollouts carry (`carries()`), a 
 trainer (`needs()`), and each trainer class judges a (sampler, balancer) pair in its `composition_error`
 classmethod, the very check its constructor and `build_trainer` raise, before any model is built. This module
 only enumerates the registries, with the sub-variants a component lists in its `recipe_variants` (a new sampler,
-trainer or balancer joins the matrix by being registered), and asks each trainer.
+trainer or balancer joins the matrix by being registered; a trainer's variants are options of its train config,
+e.g. `grpo(guard)`), and asks each trainer.
 """
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ def variants(registry: Registry) -> list[tuple[str, ComponentConfig]]:
     return out
 
 
+def trainer_variants() -> list[tuple[str, str, dict]]:
+    """(label, trainer, train keys) of every entry of TRAINERS: one per item of its class's `recipe_variants` ("" = the
+    defaults), labelled `name(variant)`; a class without `recipe_variants` gives one row with its defaults."""
+    from flowrl.trainers import TRAINERS
+
+    out = []
+    for name, cls in TRAINERS.items():
+        for key, train in getattr(cls, "recipe_variants", {"": {}}).items():
+            out.append((f"{name}({key})" if key else name, name, dict(train)))
+    return out
+
+
 def composition_error(trainer: str, sampler: ComponentConfig, balancer: ComponentConfig, train=None, rewards=()) -> str | None:
     """None where the triple runs, else the one-line reason and fix: the trainer's own check, or the error a
     sampler or balancer raises for its own arguments (what `build_trainer` raises for the same config)."""
@@ -40,18 +53,20 @@ def composition_error(trainer: str, sampler: ComponentConfig, balancer: Componen
 
 
 def matrix() -> list[dict]:
-    """One row per (sampler variant, trainer, balancer variant): {"sampler", "trainer", "balancer", "works", "why"}."""
-    from flowrl.trainers import TRAINERS
+    """One row per (sampler variant, trainer variant, balancer variant): {"sampler", "trainer", "balancer", "works",
+    "why"}; a trainer variant is judged with its train keys on the recipe's defaults."""
+    from flowrl.trainers import trainer_class
 
     rows = []
     for sampler_label, sampler in variants(SAMPLERS):
-        for trainer in TRAINERS:
+        for trainer_label, trainer, keys in trainer_variants():
+            train = trainer_class(trainer).config_class(**keys) if keys else None
             for balancer_label, balancer in variants(BALANCERS):
-                why = composition_error(trainer, sampler, balancer)
+                why = composition_error(trainer, sampler, balancer, train)
                 rows.append(
                     {
                         "sampler": sampler_label,
-                        "trainer": trainer,
+                        "trainer": trainer_label,
                         "balancer": balancer_label,
                         "works": why is None,
                         "why": why or "",

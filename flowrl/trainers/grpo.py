@@ -13,7 +13,8 @@ One training step = one rollout batch of B prompts x G samples over all processe
     # 4. Gather     scores of all processes -> [B*G] per reward
     # 5. Balance    advantages per sample (balancer); failed samples and, on request, zero advantages dropped
     # 6. Optimise   per inner epoch, minibatch, trained transition: recompute the log-prob, clipped ratio
-    #               loss + KL to the reference (adapter disabled); the optimizer step; EMA
+    #               loss (or GRPO-Guard's / Flow-DPPO's, flowrl/trainers/guard.py) + KL to the reference
+    #               (adapter disabled); the optimizer step; EMA
     # 7. Log/Eval   metrics.jsonl + trackers, eval every n steps, checkpoint every n steps
 
 Only the clipped-ratio optimisation (stage 6) is GRPO's own; everything else is a component call.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -33,9 +35,9 @@ from flowrl import seeds as seed_formulas
 from flowrl.balancers import weighted_total
 from flowrl.config import RunConfig
 from flowrl.experimental.tagrpo import BANK_GROUP, MemoryBank, TAGRPOConfig, step_alignment
-from flowrl.losses import clipped_policy_loss
 from flowrl.sigma_range import on_trainable_steps
 from flowrl.trainers.ais import AISConfig, ais_coefficients
+from flowrl.trainers.guard import RatioControl, ratio_control_error
 from flowrl.trainers.transitions import same_on_every_process, trained_transitions, transition_inputs
 from flowrl.trainers.tree_credit import TreeCreditConfig, shared_counts, transition_advantages
 from flowrl.training.checkpoint import read_group
@@ -67,10 +69,20 @@ class GRPOConfig(RecipeConfig):
     """TAGRPO's trajectory alignment and memory bank for image-to-video (keys train.tagrpo.*, flowrl/experimental/tagrpo.py)."""
     ais: AISConfig = field(default_factory=AISConfig)
     """Adaptive importance sampling of preview rollouts (keys train.ais.*; off by default)."""
+    guard: bool = False
+    """GRPO-Guard: the ratio through RatioNorm, (ℓ_θ − ℓ_old + b)·s, and each transition's clipped loss divided by its Δσ
+    (docs/recipes/grpo.md#grpo-options-guard-and-ratio_control). Flow-GRPO SDE steps only; its published clip_range is
+    2e-6 to 4e-6 (the normalised log-ratio is small)."""
+    ratio_control: str = "clip"
+    """'clip' (PPO's clipped ratio, ε = clip_range) or 'dppo' (Flow-DPPO: −A·ρ, masked where the old-to-current KL of
+    the transition is >= dppo_kl_threshold and ρ moved the way A pushes it)."""
+    dppo_kl_threshold: float = 1e-5
+    """τ of the dppo mask, on the KL of the transition Gaussians over their element count (UniRL's kl_mask_threshold)."""
 
 
 class GRPOTrainer:
     config_class = GRPOConfig
+    recipe_variants: ClassVar[dict[str, dict]] = {"": {}, "guard": {"guard": True}, "dppo": {"ratio_control": "dppo"}}
 
     @classmethod
     def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
@@ -92,6 +104,9 @@ class GRPOTrainer:
                 f"balancer {balancer.name} trains per-sample advantages; the {sampler.name} sampler's are per edge: use "
                 "sampler sde"
             )
+        why = ratio_control_error(train, sampler.name, carries) if train is not None else None
+        if why:
+            return why
         if train is not None and train.tagrpo.enabled:  # train=None: the matrix's defaults, TAGRPO off
             if sampler.name != "sde" or not sampler.kwargs.get("same_latent", False):
                 return (
@@ -176,8 +191,10 @@ class GRPOTrainer:
                 parts, t.ais, rollout, steps, keep, orders[0], n // t.num_minibatches
             )
         stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("policy_loss", "kl", "ratio", "clipped", "approx_kl")}
+        control = RatioControl(parts, rollout, steps, orders[0], n // t.num_minibatches)  # clip, or guard / dppo
         optimizer_steps = kit.OptimizerSteps(parts, grads)
         for mb in optimizer_steps(orders, per_reward):
+            control.next_minibatch()
             rows = mb.rows.tolist()
             kept = kept_per_process(acc, keep[rows].sum())  # the mean over all processes' kept rows
             depth = max((len(steps[i]) for i in rows), default=0)  # a tree row may own no trained edge
@@ -186,7 +203,8 @@ class GRPOTrainer:
                 index = torch.tensor(sel, device=acc.device)  # [b]
                 k = torch.tensor([steps[i][j] for i in sel], device=acc.device)  # [b] transition per sample
                 weight = keep[index].float() / counts[index]  # [b]
-                cond, x, x_next, sigma, sigma_next, level, scale = transition_inputs(rollout, sigmas, index, k)
+                inputs = transition_inputs(rollout, sigmas, index, k)
+                cond, x, x_next, sigma, sigma_next, level, scale = inputs
                 v = model.velocity(x, sigma, cond, rollout.guidance_scale)
                 v_ref = None
                 if t.kl_coef > 0:
@@ -203,11 +221,13 @@ class GRPOTrainer:
                     )
                 old = old_log_probs[index, k]
                 c = coef[index, k] if coef is not None else 1.0  # AIS's mixture coefficient per transition
-                policy_loss, s = clipped_policy_loss(log_prob, old, credit.advantages[index, k] * c, t.clip_range)
+                surrogate = control.surrogate(v, inputs, log_prob, old, index, k)  # advantages -> (loss [b], stats)
+                policy_loss, s = surrogate(credit.advantages[index, k] * c)
+                control.record(s)
                 per_sample = policy_loss + regulariser  # [b]
 
-                def policy(a, log_prob=log_prob, old=old, weight=weight, c=c):
-                    return (clipped_policy_loss(log_prob, old, a * c, t.clip_range)[0] * weight).sum() / kept / accum
+                def policy(a, surrogate=surrogate, weight=weight, c=c):
+                    return (surrogate(a * c)[0] * weight).sum() / kept / accum
 
                 outside = (regulariser * weight).sum() / kept / accum if t.kl_coef > 0 or alignment is not None else None
                 loss = (per_sample * weight).sum() / kept / accum
@@ -236,6 +256,7 @@ class GRPOTrainer:
             **grads.metrics(),
             **tagrpo_metrics,
             **ais_stats,
+            **control.metrics(),
         }
 
     # ------------------------------------------------------------------------------------------ state and loop

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from flowrl.registry import BALANCERS, SAMPLERS
 from flowrl.trainers import TRAINERS, build_config
-from flowrl.trainers.compose import variants
+from flowrl.trainers.compose import trainer_variants, variants
 
 # Two, so every balancer has something to balance; both built for the test (importable here and in the 2-process
 # worker, which runs from this folder). Redness differs for any two different images, so every group has reward spread
@@ -52,13 +52,15 @@ def components() -> tuple[dict, dict]:
 
 
 def row_data(row: dict, output_dir: str, name: str) -> dict:
-    """The plain config data of one matrix row on the toy model: 2 prompts x group 2, 16x16, 2 steps, 1 training step."""
+    """The plain config data of one matrix row on the toy model: 2 prompts x group 2, 16x16, 2 steps, 1 training step;
+    a trainer variant (`grpo(guard)`) adds its train keys."""
     samplers, balancers = components()
     sampler, balancer = samplers[row["sampler"]], balancers[row["balancer"]]
-    fields = {f.name for f in dataclasses.fields(TRAINERS[row["trainer"]].config_class)}
+    trainer, options = {label: (name, keys) for label, name, keys in trainer_variants()}[row["trainer"]]
+    fields = {f.name for f in dataclasses.fields(TRAINERS[trainer].config_class)}
     return {
         "name": name,
-        "trainer": row["trainer"],
+        "trainer": trainer,
         "output_dir": output_dir,
         "device": "cpu",
         "num_steps": 2,
@@ -73,7 +75,7 @@ def row_data(row: dict, output_dir: str, name: str) -> dict:
         },
         "rewards": REWARDS,
         "balancer": {"name": balancer.name, **BALANCER_SETTINGS.get(balancer.name, {}), **balancer.kwargs},
-        "train": {k: v for k, v in TRAIN.items() if k in fields},
+        "train": {**{k: v for k, v in TRAIN.items() if k in fields}, **options},
         "eval": {"num_steps": 1, "seeds": [0], "num_prompts": 1},
         "checkpoint": {"every_n_steps": 0, "keep_last": 2},
         "logging": {"trackers": [], "progress_bar": False},

@@ -36,11 +36,14 @@ def rows():
 
 def test_the_matrix_is_the_registries_product_with_the_declared_variants(rows):
     samplers, balancers = components()
-    expected = list(itertools.product(samplers, TRAINERS, balancers))
+    trainers = [label for label, _, _ in compose.trainer_variants()]
+    expected = list(itertools.product(samplers, trainers, balancers))
     assert [(r["sampler"], r["trainer"], r["balancer"]) for r in rows] == expected
     # every registered name is in it, with the variants its class declares
     assert {c.name for c in samplers.values()} == set(SAMPLERS.names())
     assert {c.name for c in balancers.values()} == set(BALANCERS.names())
+    assert {name for _, name, _ in compose.trainer_variants()} == set(TRAINERS)
+    assert {"grpo(guard)", "grpo(dppo)"} <= set(trainers)
     assert {"sde(memoryless)", "tree", "candidates(full=ode)", "candidates(full=sde)", "candidates(full=tree)"} <= set(samplers)
     assert {"marble(full)", "marble(amortized)"} <= set(balancers)
     for r in rows:
@@ -128,7 +131,7 @@ def test_the_covering_rows_contain_every_working_pair(rows):
 
 @pytest.mark.slow
 def test_every_working_pair_steps_resumes_and_matches_two_processes(tmp_path, rows):
-    """Every working pair (`covering`: the 43 of 96 working triples that hold them all), one
+    """Every working pair (`covering`: the 49 of 179 working triples that hold them all), one
     trainer per row: step 1, checkpoint, step 2 (the straight run), then resume the step-1 checkpoint into it and step
     again: the step-2 state must come back bit for bit (a state the checkpoint misses would stay at its step-2 value).
     The 2-process launch runs meanwhile; its step-1 weights must equal these."""

@@ -31,6 +31,7 @@ REAL = {
     "wan22_ti2v": "configs/wan/grpo_video_wan22_ti2v.yaml",
     "ltx2": "configs/ltx2/grpo_video.yaml",
     "sd3-ram": "configs/sd3/ram_pickscore.yaml",
+    "sd3-awm": "configs/sd3/awm_pickscore.yaml",
     "sd3-ram_ocr": "configs/sd3/ram_ocr.yaml",
     "flux-ram": "configs/flux/ram_hpsv2.yaml",
     "sd3-adjoint_matching": "configs/sd3/adjoint_matching_imagereward.yaml",
@@ -85,6 +86,7 @@ OWN_METRIC = {  # a metric only the recipe's own stage 6 logs
     "grpo": "train/ratio_mean",
     "nft": "train/positive_loss",
     "ram": "train/target_norm",
+    "awm": "train/weighted_error",
     "adjoint_matching": "train/grad_reward_norm",
 }
 

@@ -1,5 +1,5 @@
 """Losses of the trainers, each a few lines over per-sample tensors (docs/math.md#clipped-surrogate,
-#kl-to-the-reference, #diffusionnft; AWM: docs/recipes/awm.md)."""
+#kl-to-the-reference, #diffusionnft; AWM: docs/recipes/awm.md; DGPO: docs/recipes/dgpo.md)."""
 
 from __future__ import annotations
 
@@ -202,3 +202,46 @@ def awm_policy_loss(
     scaled = advantages.double().clamp(-adv_clip_max, adv_clip_max) / adv_clip_max * advantage_max
     old = log_probs.detach() if old_log_probs is None else old_log_probs.detach().double()
     return clipped_policy_loss(log_probs, old, scaled, clip_range)
+
+
+def dsm_loss(v_theta: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """DGPO's denoising loss ℓ per sample [n], float64: the mean over elements of (v − (ε − x0))² (docs/recipes/dgpo.md)."""
+    return ((v_theta.double() - (noise.double() - x0.double())) ** 2).mean(tuple(range(1, v_theta.ndim)))
+
+
+def group_scores(terms: torch.Tensor, group_ids: torch.Tensor, gather=None) -> torch.Tensor:
+    """S_g of each local sample [n]: the sum of `terms` [n] over every sample of its group on every process (`gather`:
+    concatenates a tensor's rows over the processes in process order; None on one process). float64."""
+    rows = torch.stack([group_ids.to(terms).double(), terms.double()], 1)  # [n, 2]; ids exact below 2^53
+    every = rows if gather is None else gather(rows)  # [M, 2]
+    ids = every[:, 0].long()
+    sums = torch.zeros(int(ids.max()) + 1, dtype=torch.float64, device=terms.device).index_add_(0, ids, every[:, 1])
+    return sums[group_ids.to(terms.device).long()]
+
+
+def dgpo_loss(
+    loss_theta: torch.Tensor,
+    loss_ref: torch.Tensor,
+    loss_old: torch.Tensor | None,
+    advantages: torch.Tensor,
+    group_ids: torch.Tensor,
+    beta_dpo: float,
+    group_size: int,
+    clip_range: float,
+    gather=None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DGPO's per-sample loss [n] (float64), the gradient-equivalent form of −log σ(−S_g) summed over groups:
+    w_g·A·ℓ̃ with δ = sg(ℓ_θ − ℓ_ref), S_g = Σ_{i∈g} A_i·β·δ_i / G over every process, w_g = sg(σ(S_g)); ℓ̃ = sg(ℓ_θ)
+    where the PPO-style clip binds, ρ = exp(ℓ_old − ℓ_θ) (`loss_old` None: no clip): A > 0 and ρ > 1 + c, or A ≤ 0 and
+    ρ < 1 − c. Its gradient is (G/β)·Σ_g ∇[−log σ(−S_g)] per sample of the mean (docs/recipes/dgpo.md#the-loss)."""
+    a = advantages.double()
+    delta = loss_theta.detach().double() - loss_ref.detach().double()
+    scores = group_scores(a * beta_dpo * delta / group_size, group_ids, gather)  # [n]
+    weight = torch.sigmoid(scores)
+    ratio = torch.ones_like(a) if loss_old is None else torch.exp(loss_old.detach().double() - loss_theta.detach().double())
+    clipped = ((a > 0) & (ratio > 1 + clip_range)) | ((a <= 0) & (ratio < 1 - clip_range))
+    if loss_old is None:
+        clipped = torch.zeros_like(clipped)
+    ell = torch.where(clipped, loss_theta.detach().double(), loss_theta.double())
+    stats = {"group_score": scores, "group_weight": weight, "ratio": ratio, "clipped": clipped, "delta": delta}
+    return weight * a * ell, stats

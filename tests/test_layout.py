@@ -56,6 +56,7 @@ BUDGETS = {  # lines of a recipe file: only what is particular to its algorithm,
     "flowrl/trainers/nft.py": 220,
     "flowrl/trainers/ram.py": 220,
     "flowrl/trainers/awm.py": 220,
+    "flowrl/trainers/dgpo.py": 220,
     "flowrl/trainers/adjoint.py": 260,
 }
 

@@ -261,7 +261,7 @@ def memory_plan(cfg, geo: Geometry, num_gpus: int, sharding: str):
         weight_dtype=cfg.model.dtype,
         mixed_precision=cfg.model.mixed_precision,
         reference_copy=not cfg.model.use_lora and cfg.trainer == "adjoint_matching",
-        adapter_copies=1 if cfg.trainer in ("nft", "ram", "awm") and cfg.model.use_lora else 0,  # old / EMA-KL adapter
+        adapter_copies=1 if cfg.trainer in ("nft", "ram", "awm", "dgpo") and cfg.model.use_lora else 0,  # old / EMA adapter
         use_ema=bool(t.use_ema),
         frozen=_frozen(cfg, arch),
         sharding=sharding,

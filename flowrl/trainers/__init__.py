@@ -12,6 +12,7 @@ from pathlib import Path
 from flowrl import config as run_config
 from flowrl.trainers.adjoint import AdjointMatchingConfig, AdjointMatchingTrainer
 from flowrl.trainers.awm import AWMConfig, AWMTrainer
+from flowrl.trainers.dgpo import DGPOConfig, DGPOTrainer
 from flowrl.trainers.grpo import GRPOConfig, GRPOTrainer
 from flowrl.trainers.nft import NFTConfig, NFTTrainer
 from flowrl.trainers.ram import RAMConfig, RAMTrainer
@@ -22,6 +23,7 @@ TRAINERS: dict[str, type] = {
     "ram": RAMTrainer,
     "adjoint_matching": AdjointMatchingTrainer,
     "awm": AWMTrainer,
+    "dgpo": DGPOTrainer,
 }
 DEFAULT_TRAINER = "grpo"
 
@@ -55,6 +57,8 @@ __all__ = [
     "AdjointMatchingTrainer",
     "AWMConfig",
     "AWMTrainer",
+    "DGPOConfig",
+    "DGPOTrainer",
     "TRAINERS",
     "GRPOConfig",
     "GRPOTrainer",

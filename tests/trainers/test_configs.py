@@ -32,6 +32,7 @@ REAL = {
     "ltx2": "configs/ltx2/grpo_video.yaml",
     "sd3-ram": "configs/sd3/ram_pickscore.yaml",
     "sd3-awm": "configs/sd3/awm_pickscore.yaml",
+    "sd3-dgpo": "configs/sd3/dgpo_pickscore.yaml",
     "sd3-ram_ocr": "configs/sd3/ram_ocr.yaml",
     "flux-ram": "configs/flux/ram_hpsv2.yaml",
     "sd3-adjoint_matching": "configs/sd3/adjoint_matching_imagereward.yaml",
@@ -87,6 +88,7 @@ OWN_METRIC = {  # a metric only the recipe's own stage 6 logs
     "nft": "train/positive_loss",
     "ram": "train/target_norm",
     "awm": "train/weighted_error",
+    "dgpo": "train/group_weight",
     "adjoint_matching": "train/grad_reward_norm",
 }
 

@@ -106,15 +106,15 @@ def trainable(trainer) -> dict[str, torch.Tensor]:
 
 class FirstPass:
     """Records the ratios of every transition recomputed before the step's first optimizer step (the first pass,
-    whose ratio must be exactly 1) by wrapping the recipe's clipped_policy_loss."""
+    whose ratio must be exactly 1) by wrapping the clipped_policy_loss GRPO's ratio control calls (trainers/guard.py)."""
 
     def __init__(self, trainer):
         self.trainer, self.ratios, self.start = trainer, [], 0
 
     def __enter__(self):
-        import flowrl.trainers.grpo as grpo
+        import flowrl.trainers.guard as guard
 
-        self.module, self.original = grpo, grpo.clipped_policy_loss
+        self.module, self.original = guard, guard.clipped_policy_loss
 
         def recorded(log_probs, old_log_probs, advantages, clip_range):
             loss, stats = self.original(log_probs, old_log_probs, advantages, clip_range)
@@ -122,7 +122,7 @@ class FirstPass:
                 self.ratios.append(stats["ratio"].detach().double().cpu())
             return loss, stats
 
-        grpo.clipped_policy_loss = recorded
+        guard.clipped_policy_loss = recorded
         return self
 
     def __exit__(self, *exc):

@@ -56,3 +56,46 @@ def launch_in_background(preset: str, script: Path, *args, log: Path, num_proces
     cmd = launch_command(preset, script, *args, num_processes=num_processes)
     with open(log, "w") as stream:
         return subprocess.Popen(cmd, env=env(), stdout=stream, stderr=subprocess.STDOUT)
+
+
+def one_and_two_processes(tmp_path: Path, one: Path) -> tuple[Path, list[list[dict]]]:
+    """Config `one` trained in this process, then the same config (named "two") launched on 2 gloo processes:
+    (the runs folder, each run's metrics.jsonl lines)."""
+    import json
+
+    import yaml
+
+    from flowrl.trainers import build_trainer, load_config
+
+    build_trainer(load_config(one)).train()
+    two = tmp_path / "two.yaml"
+    two.write_text(yaml.safe_dump({**yaml.safe_load(one.read_text()), "name": "two"}))
+    launch("cpu_2proc", two)
+    runs = tmp_path / "runs"
+    assert json.loads((runs / "two" / "launch.json").read_text())["num_processes"] == 2
+    return runs, [[json.loads(x) for x in (runs / r / "metrics.jsonl").read_text().splitlines()] for r in ("one", "two")]
+
+
+def assert_same_checkpoints(runs: Path, files: tuple[str, ...], step: str = "step_000002", tolerance: float = 1e-5) -> None:
+    """The one- and two-process runs' checkpoint `files` hold the same keys and values within `tolerance`."""
+    from safetensors.torch import load_file
+
+    for file in files:
+        a, b = (load_file(str(runs / r / "checkpoints" / step / file)) for r in ("one", "two"))
+        assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < tolerance, file
+
+
+def toy_config_run(tmp_path: Path, name: str) -> list[dict]:
+    """configs/toy/<name>.yaml shrunk to 2 steps of 2 prompts x 4 (4 sampler steps, 2 training times): its metrics."""
+    import json
+
+    from flowrl.trainers import build_trainer, load_config
+
+    small = ["data.num_prompts_per_step=2", "data.group_size=4", "sampler.num_steps=4", "train.num_train_timesteps=2"]
+    cfg = load_config(
+        ROOT / "configs" / "toy" / f"{name}.yaml",
+        [f"output_dir={tmp_path}", "num_steps=2", "logging.trackers=[]", "logging.progress_bar=false", *small]
+        + ["eval.every_n_steps=0", "eval.seeds=[0]", "eval.num_steps=2", "checkpoint.every_n_steps=0"],
+    )
+    build_trainer(cfg).train()
+    return [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -7,24 +7,21 @@ processes = 1, a short run of configs/toy/awm.yaml, and one-line errors. The con
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from launching import launch
+from launching import assert_same_checkpoints, one_and_two_processes, toy_config_run
 from safetensors.torch import load_file
 from test_grpo_processes import write_config
 from test_trainer_contract import assert_same, toy_config, trainable
 
 from flowrl.losses import awm_log_prob, awm_policy_loss, awm_weighting
-from flowrl.trainers import build_trainer, load_config
+from flowrl.trainers import build_trainer
 from flowrl.trainers.awm import KL_EMA, training_draws
 from flowrl.training.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
-ROOT = Path(__file__).resolve().parents[2]
 EPS = 1e-10
 
 
@@ -216,31 +213,15 @@ def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
         "checkpoint": {"every_n_steps": 0, "keep_last": 1},
     }
     extra["train"] |= {"num_inner_epochs": 2, "ema_every_n_steps": 1, "use_async_rewards": False}
-    one = write_config(tmp_path, tiny_pipeline("sd3"), "one", **extra)
-    build_trainer(load_config(one)).train()
-    two = tmp_path / "two.yaml"
-    two.write_text(yaml.safe_dump({**yaml.safe_load(one.read_text()), "name": "two"}))
-    launch("cpu_2proc", two)
-    runs = tmp_path / "runs"
-    assert json.loads((runs / "two" / "launch.json").read_text())["num_processes"] == 2
-    lines = [[json.loads(x) for x in (runs / r / "metrics.jsonl").read_text().splitlines()] for r in ("one", "two")]
+    runs, lines = one_and_two_processes(tmp_path, write_config(tmp_path, tiny_pipeline("sd3"), "one", **extra))
     norms = [[x["train/grad_norm"] for x in run] for run in lines]  # a global quantity (the losses logged are local)
     assert min(norms[0]) > 0 and norms[0] == pytest.approx(norms[1], rel=1e-4), norms
     assert all(x["train/ratio"] != 1.0 for x in lines[0])  # the second epoch trained on ratios off 1
-    for file in ("trainable.safetensors", "ema.safetensors", "adapter_kl_ema.safetensors"):
-        a, b = (load_file(str(runs / r / "checkpoints" / "step_000002" / file)) for r in ("one", "two"))
-        assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5, file
+    assert_same_checkpoints(runs, ("trainable.safetensors", "ema.safetensors", "adapter_kl_ema.safetensors"))
 
 
 def test_the_toy_config_runs(tmp_path):
-    small = ["data.num_prompts_per_step=2", "data.group_size=4", "sampler.num_steps=4", "train.num_train_timesteps=2"]
-    cfg = load_config(
-        ROOT / "configs" / "toy" / "awm.yaml",
-        [f"output_dir={tmp_path}", "num_steps=2", "logging.trackers=[]", "logging.progress_bar=false", *small]
-        + ["eval.every_n_steps=0", "eval.seeds=[0]", "eval.num_steps=2", "checkpoint.every_n_steps=0"],
-    )
-    build_trainer(cfg).train()
-    lines = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = toy_config_run(tmp_path, "awm")
     assert [line["step"] for line in lines] == [1, 2]
     assert all(math.isfinite(line["train/loss"]) and line["train/ratio"] == 1.0 for line in lines)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Any
 
 import ray
@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError
 
 from flowrl.registry import REWARDS
 
-from ._server import MAX_DECODED_BYTES, Answer, decode_answer, score_answer
+from ._server import MAX_DECODED_BYTES, Answer, Stats, decode_answer, score_answer
 
 APP_PREFIX = "flowrl-reward-"
 
@@ -50,15 +50,6 @@ class RewardReplica:
         self._score_samples.set_max_batch_size(max_batch_size)
         self._score_samples.set_batch_wait_timeout_s(batch_wait_s)
         self.lock = threading.Lock()  # one forward at a time, whatever thread runs it
-        self.forwards = Counter()  # images per forward -> how many
-
-    def actor_name(self) -> str:
-        """This replica's actor name (ray.get_actor(name, namespace="serve") finds it)."""
-        return ray.get_runtime_context().get_actor_name()
-
-    def batch_sizes(self) -> dict[int, int]:
-        """Images per forward so far -> how many forwards (to see Serve's batching at work)."""
-        return dict(self.forwards)
 
     async def score(self, raw: bytes, content_type: str, content_encoding: str) -> Answer:
         decoded = decode_answer(self.name, raw, content_type, content_encoding, self.max_decoded_bytes)
@@ -95,7 +86,6 @@ class RewardReplica:
 
     def _score(self, part: list[int], samples: list[tuple[torch.Tensor, str, dict]]) -> Answer:
         images = torch.stack([samples[i][0] for i in part])
-        self.forwards[len(part)] += 1
         status, payload = score_answer(
             self.name, self.reward, images, [samples[i][1] for i in part], [samples[i][2] for i in part]
         )
@@ -138,8 +128,7 @@ class RayBackend:
                 f"{batch_wait_ms}: use G >= 0, C > 0, W >= 0"
             )
         self.names, self.owns_cluster = list(rewards), True
-        self.retries, self.timeout_s, self.stats = int(retries), float(timeout_s), Counter()
-        self.stats_lock = threading.Lock()
+        self.retries, self.timeout_s, self.stats = int(retries), float(timeout_s), Stats()
         device = device or ("cuda" if gpus_per_replica > 0 else "cpu")
         if device.startswith("cuda") and gpus_per_replica <= 0:
             raise ValueError(f"--device {device} needs --gpus-per-replica > 0 (each replica's GPU share)")
@@ -175,15 +164,11 @@ class RayBackend:
     def info(self, name: str) -> dict[str, Any]:
         return {"modalities": list(REWARDS.get(name).modalities), "differentiable": False}
 
-    def count(self, key: str) -> None:
-        with self.stats_lock:
-            self.stats[key] += 1
-
     def score(self, name: str, raw: bytes, content_type: str, content_encoding: str) -> Answer:
         last = None
         for attempt in range(self.retries + 1):
             if attempt:
-                self.count("replica_retries")
+                self.stats.count("replica_retries")
             try:
                 return tuple(
                     self.handles[name].score.remote(raw, content_type, content_encoding).result(timeout_s=self.timeout_s)

@@ -246,18 +246,30 @@ class Results:
         return entry.answer, False
 
 
+class Stats(Counter):
+    """Counters several request threads add to: count(key, by) under a lock, snapshot() a plain dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def count(self, key: str, by: int = 1) -> None:
+        with self.lock:
+            self[key] += by
+
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self)
+
+
 class RewardServer(ThreadingHTTPServer):
     """A ThreadingHTTPServer with the backend it fronts; server_close() closes the backend too."""
 
     daemon_threads = True
 
     def __init__(self, address, handler, backend: Backend):
-        self.backend, self.stats, self.stats_lock = backend, Counter(), threading.Lock()
+        self.backend, self.stats = backend, Stats()
         super().__init__(address, handler)
-
-    def count(self, key: str, by: int = 1) -> None:
-        with self.stats_lock:
-            self.stats[key] += by
 
     def server_close(self) -> None:
         super().server_close()
@@ -304,7 +316,7 @@ def make_server(
             given = self.headers.get("Authorization", "").encode()
             if expected is None or hmac.compare_digest(given, expected):
                 return True
-            self.server.count("unauthorized")
+            self.server.stats.count("unauthorized")
             self._send(401, {"error": "missing or wrong bearer token; pass the server's --token to the client"}, True)
             return False
 
@@ -314,9 +326,9 @@ def make_server(
             if self.path != "/health":
                 return self._send(404, {"error": f"unknown path {self.path}; use /health or /score"})
             rewards = {name: backend.info(name) for name in backend.names}
-            with self.server.stats_lock:
-                stats = {**self.server.stats, **getattr(backend, "stats", {})}
-                payload = {"status": "ok", "rewards": rewards, "stats": stats}
+            backend_stats = getattr(backend, "stats", None)
+            stats = {**self.server.stats.snapshot(), **(backend_stats.snapshot() if backend_stats is not None else {})}
+            payload = {"status": "ok", "rewards": rewards, "stats": stats}
             if len(rewards) == 1:
                 ((name, info),) = rewards.items()
                 payload.update(reward=name, **info)
@@ -348,7 +360,7 @@ def make_server(
             if not length.isdigit():
                 return self._send(411, {"error": "send the body with a Content-Length header"}, True)
             if int(length) > max_body_bytes:
-                self.server.count("too_large")
+                self.server.stats.count("too_large")
                 error = f"reward {name}: the body ({length} bytes) is over the limit of {max_body_bytes}; send smaller batches"
                 return self._send(413, {"error": error}, True)
             raw = self.rfile.read(int(length))
@@ -356,21 +368,21 @@ def make_server(
             request_id = self.headers.get("X-Request-Id", "")
 
             def compute() -> Answer:
-                self.server.count("computed")
-                self.server.count("in_flight")
+                self.server.stats.count("computed")
+                self.server.stats.count("in_flight")
                 try:
                     return backend.score(name, raw, kind, encoding)
                 finally:
-                    self.server.count("in_flight", -1)
+                    self.server.stats.count("in_flight", -1)
 
             if request_id:
                 digest = hashlib.sha256(b"%s\0%s\0%s\0" % (kind.encode(), encoding.encode(), raw)).hexdigest()
                 (status, payload), reused = results.run(f"{name}\0{request_id}", digest, compute)
                 if reused:
-                    self.server.count("deduplicated")
+                    self.server.stats.count("deduplicated")
             else:
                 status, payload = compute()
-            self.server.count(f"status_{status}")
+            self.server.stats.count(f"status_{status}")
             self._send(status, payload)
 
     return RewardServer((host, port), Handler, backend)

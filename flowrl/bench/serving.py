@@ -13,41 +13,21 @@ real CLIP tower pair, small enough for a 2-core CPU.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from flowrl.bench.speed import _in_fresh_thread
+from flowrl.bench.speed import _in_fresh_thread, _served_reward
 
 
-@contextlib.contextmanager
 def _service(name: str, sets: list[str], replicas: int, cpus: float, max_batch_size: int, batch_wait_ms: float):
-    """A `flowrl serve-reward NAME` process on Ray Serve; yields its URL, stops it with SIGTERM."""
-    command = [sys.executable, "-m", "flowrl.cli", "serve-reward", name, "--port", "0", "--device", "cpu"]
-    command += ["--replicas", str(replicas), "--cpus-per-replica", str(cpus), "--gpus-per-replica", "0"]
-    command += ["--max-batch-size", str(max_batch_size), "--batch-wait-ms", str(batch_wait_ms)]
-    command += [arg for pair in sets for arg in ("--set", pair)]
-    with tempfile.TemporaryFile(mode="w+") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=dict(os.environ))
-        try:
-            line = process.stdout.readline()  # "flowrl serve-reward: serving NAME on http://HOST:PORT"
-            if " on http://" not in line:
-                stderr.seek(0)
-                raise RuntimeError(f"bench: `{' '.join(command)}` did not start: {line!r} {stderr.read()[-800:]}")
-            yield line.strip().rsplit(" ", 1)[-1]
-        finally:
-            process.terminate()  # SIGTERM: Serve and Ray shut down
-            try:
-                process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    """A `flowrl serve-reward NAME` process on Ray Serve (speed._served_reward with its replica options)."""
+    engine = ("--replicas", str(replicas), "--cpus-per-replica", str(cpus), "--gpus-per-replica", "0")
+    engine += ("--max-batch-size", str(max_batch_size), "--batch-wait-ms", str(batch_wait_ms))
+    return _served_reward(name, sets, max(1, int(cpus)), engine)
 
 
 def bench_serve(
@@ -82,7 +62,7 @@ def bench_serve(
         torch.set_num_threads(max(1, int(cpus)))  # the replica's share of the machine
         try:
             local = REWARDS.build("clipscore", model_name=folder, pretrained=None)
-            with _service("clipscore", sets, 1, cpus, batch_size, 10.0) as url:
+            with _service("clipscore", sets, 1, cpus, batch_size, 10.0) as (url, _):
                 remote = REWARDS.build("remote", url=url, timeout_s=600)
                 fns = {
                     "local": _in_fresh_thread(lambda: local(images, prompts, metadata)),
@@ -109,7 +89,7 @@ def bench_serve(
         }
         result["throughput"] = {}
         for replicas in (1, 2):
-            with _service("clipscore", sets, replicas, cpus, batch_size, 10.0) as url:
+            with _service("clipscore", sets, replicas, cpus, batch_size, 10.0) as (url, _):
                 result["throughput"][f"{replicas}_replicas"] = _burst(url, images, prompts, metadata, clients, burst_rounds)
         one, two = (result["throughput"][f"{n}_replicas"]["images_per_s"] for n in (1, 2))
         result["throughput"]["two_over_one"] = round(two / one, 3)

@@ -195,9 +195,10 @@ def _process_cpu_s(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def _served_reward(name: str, sets: list[str], threads: int):
-    """A `flowrl serve-reward NAME --port 0` subprocess on the CPU with `threads` torch threads; yields (URL, pid)."""
-    command = [sys.executable, "-m", "flowrl.cli", "serve-reward", name, "--engine", "local", "--port", "0", "--device", "cpu"]
+def _served_reward(name: str, sets: list[str], threads: int, engine: tuple[str, ...] = ("--engine", "local")):
+    """A `flowrl serve-reward NAME --port 0` subprocess on the CPU with `threads` torch threads and the `engine`
+    arguments (default: one process; Ray Serve's replica options otherwise); yields (URL, pid). Stopped by SIGTERM."""
+    command = [sys.executable, "-m", "flowrl.cli", "serve-reward", name, *engine, "--port", "0", "--device", "cpu"]
     command += [arg for pair in sets for arg in ("--set", pair)]
     with tempfile.TemporaryFile(mode="w+") as stderr:
         process = subprocess.Popen(
@@ -210,9 +211,9 @@ def _served_reward(name: str, sets: list[str], threads: int):
                 raise RuntimeError(f"bench: `{' '.join(command)}` did not start: {line!r} {stderr.read()[-800:]}")
             yield line.strip().rsplit(" ", 1)[-1], process.pid
         finally:
-            process.terminate()
+            process.terminate()  # SIGTERM: the server closes (on Ray Serve: Serve and Ray shut down)
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

@@ -1,4 +1,4 @@
-"""The `flowrl` command: sample, train, eval, report, demo, bench, plan, rewards list, score, serve-reward, recipes.
+"""The `flowrl` command: sample, train, eval, report, demo, bench, plan, pool, rewards list, score, serve-reward, recipes.
 
 Each subcommand has a `_add_<name>(subparsers)` that declares its arguments and a `_run_<name>(args)` that
 does the work; heavy imports happen inside `_run_*` so that `flowrl --help` stays fast.
@@ -535,6 +535,27 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", help="key.path=value overrides of the config, e.g. sampler.num_steps=16")
 
 
+def _add_pool(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pool", help="make (or finish) the offline pool of an offline recipe's config (gdro)")
+    p.add_argument("config", help="YAML run config of an offline recipe, e.g. configs/toy/gdro.yaml")
+    p.add_argument("--out", default=None, help="the pool's folder (default: train.pool_dir, else <output_dir>/pools/<name>)")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides of the config, e.g. train.pool_size=8")
+
+
+def _run_pool(args: argparse.Namespace) -> int:
+    from flowrl.trainers import build_trainer, load_config
+
+    cfg = load_config(args.config, [*args.overrides, *([f"train.pool_dir={args.out}"] if args.out else [])])
+    if not hasattr(cfg.train, "pool_size"):
+        raise ValueError(f"trainer={cfg.trainer!r} of {args.config} trains on rollouts, not a pool; use a gdro config")
+    pool = build_trainer(cfg).pool  # made where missing, checked against the config where present
+    m = pool.manifest
+    forwards = sum(v for k, v in m["work"].items() if k.startswith("work/rollout/forward/"))
+    size = f"{m['num_prompts']} prompts x {cfg.train.pool_size} samples"
+    print(f"{pool.folder}: {size}, {forwards:.0f} forwards, {m['seconds']:.1f} s")
+    return 0
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     from flowrl.bench.plan import plan, render
 
@@ -560,6 +581,7 @@ COMMANDS = {
     "report": (_add_report, _run_report),
     "recipes": (_add_recipes, _run_recipes),
     "plan": (_add_plan, _run_plan),
+    "pool": (_add_pool, _run_pool),
 }
 
 

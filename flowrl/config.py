@@ -112,6 +112,18 @@ class RewardConfig:
 
 
 @dataclass
+class CorrectedScoreConfig:
+    """GDRO's hacking-aware evaluation score r·(û − 3) + 0.2 (docs/recipes/gdro.md#the-corrected-score), never a reward."""
+
+    reward: str = ""
+    """r: a training or gold reward's name."""
+    judge: str = ""
+    """The quality judge û is read from: another training or gold reward's name."""
+    judge_range: list[float] = field(default_factory=lambda: [1.0, 5.0])
+    """The judge's [low, high]: û = 1 + 4·(judge − low)/(high − low) on the 1-5 scale ([0, 1] for toy_artifact)."""
+
+
+@dataclass
 class EvalConfig:
     every_n_steps: int = 0
     """Evaluate every this many training steps (0: only the base model before and the final model after)."""
@@ -135,6 +147,8 @@ class EvalConfig:
     batch_size: int = 16
     use_ema: bool = True
     """Evaluate the EMA weights when the trainer keeps them."""
+    corrected_score: CorrectedScoreConfig | None = None
+    """Also report GDRO's corrected score of a reward and a quality judge (scores.json `corrected_score`)."""
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Losses of the trainers, each a few lines over per-sample tensors (docs/math.md#clipped-surrogate,
-#kl-to-the-reference, #diffusionnft; AWM: docs/recipes/awm.md; DGPO: docs/recipes/dgpo.md)."""
+#kl-to-the-reference, #diffusionnft; AWM: docs/recipes/awm.md; DGPO: docs/recipes/dgpo.md; GDRO: docs/recipes/gdro.md)."""
 
 from __future__ import annotations
 
@@ -245,3 +245,46 @@ def dgpo_loss(
     ell = torch.where(clipped, loss_theta.detach().double(), loss_theta.double())
     stats = {"group_score": scores, "group_weight": weight, "ratio": ratio, "clipped": clipped, "delta": delta}
     return weight * a * ell, stats
+
+
+GDRO_MODES = ("pl", "top1", "rank")
+
+
+def gdro_implicit_reward(loss_theta: torch.Tensor, loss_ref: torch.Tensor, beta: float) -> torch.Tensor:
+    """GDRO's implicit reward s = −β·(ℓ_θ − ℓ_ref) per item, ℓ the dsm_loss of θ and of the reference (adapters off)
+    at one (t, ε) (docs/recipes/gdro.md#the-loss). float64, the gradient through ℓ_θ only."""
+    return -beta * (loss_theta.double() - loss_ref.detach().double())
+
+
+def gdro_loss(
+    s: torch.Tensor, r: torch.Tensor, tau: float, mode: str = "pl", generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GDRO's group loss per group [G] (float64) of implicit rewards `s` [G, k] and explicit rewards `r` [G, k]:
+    with items sorted by r descending, q_i(j) = softmax_{j≥i}(r_j/τ) and the Plackett–Luce cross-entropy
+    'pl' Σ_{i<k} [log Σ_{m≥i} e^{s_m} − Σ_{j≥i} q_i(j)·s_j], 'top1' its i = 1 term, 'rank' the τ → 0 limit
+    Σ_{i<k} [log Σ_{m≥i} e^{s_m} − s_i] (τ = 0 in 'pl' is the same). Ties keep their input order (a stable sort), or a
+    random one drawn from `generator`. A group whose rewards are all equal has no signal: loss 0, `signal` False.
+    Stats: `top` [G] the input position of the first-ranked item, `signal` [G] bool, `order` [G, k] the ranking."""
+    if mode not in GDRO_MODES or tau < 0:
+        raise ValueError(f"train.mode={mode!r} must be one of {', '.join(GDRO_MODES)} and train.tau={tau} >= 0")
+    s, r = s.double(), r.double()
+    g, k = s.shape
+    shuffle = None if generator is None else torch.stack([torch.randperm(k, generator=generator) for _ in range(g)])
+    if shuffle is not None:
+        shuffle = shuffle.to(s.device)
+        s, r = s.gather(1, shuffle), r.gather(1, shuffle)
+    order = torch.sort(r, dim=1, descending=True, stable=True).indices  # [G, k]
+    s_sorted, r_sorted = s.gather(1, order), r.gather(1, order)
+    later = torch.ones(k, k, dtype=torch.bool, device=s.device).triu()  # [i, j]: j ≥ i
+    logits = s_sorted[:, None, :].masked_fill(~later, float("-inf"))  # [G, k, k]
+    if mode == "rank" or tau == 0:
+        q = torch.eye(k, dtype=s.dtype, device=s.device).expand(g, k, k)
+    else:
+        q = torch.softmax((r_sorted[:, None, :] / tau).masked_fill(~later, float("-inf")), dim=2)
+    terms = torch.logsumexp(logits, dim=2) - (q * s_sorted[:, None, :]).sum(2)  # [G, k]
+    terms = terms[:, :1] if mode == "top1" else terms[:, : k - 1]
+    signal = r_sorted[:, 0] > r_sorted[:, -1]
+    loss = torch.where(signal, terms.sum(1), torch.zeros_like(terms[:, 0]))
+    if shuffle is not None:
+        order = shuffle.gather(1, order)
+    return loss, {"top": order[:, 0], "signal": signal, "order": order}

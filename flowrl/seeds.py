@@ -27,6 +27,7 @@ WINDOW_STREAM = 2 * NOISE_STREAM  # offset of the seed that places a sample's SD
 TRAIN_STREAM = 3 * NOISE_STREAM  # offset of the seed of a sample's training-time draws (forward-process recipes)
 POOL_STREAM = 4 * NOISE_STREAM  # offset of the seed of a prompt group's candidate pool
 POOL_OFFSET = 987_654_321  # keeps pooled group seeds (data.noise_pool) apart from the sample seeds of early steps
+OFFLINE_OFFSET = 123_456_789  # keeps offline pool seeds (GDRO) apart from the sample seeds of early steps
 
 
 def prompt_order(seed: int, epoch: int, num_prompts: int) -> torch.Tensor:
@@ -72,6 +73,12 @@ def pool_generator(group_seed: int) -> torch.Generator:
 def pool_seeds(generator: torch.Generator, pool_size: int) -> torch.Tensor:
     """[P] int64 seeds of a candidate pool, UniformInt[0, 2^31 − 1) (Sol-RL); a larger pool extends a smaller one."""
     return torch.randint(0, MAX_SEED, (pool_size,), generator=generator, dtype=torch.int64)
+
+
+def offline_sample_seed(pool_seed: int, prompt_index: int, slot: int) -> int:
+    """Seed of image `slot` of prompt `prompt_index` in an offline pool (GDRO's, flowrl.training.pool): a function of
+    the pool's own seed, not the run's, so runs of any seed share one pool."""
+    return (pool_seed * 1_000_003 + OFFLINE_OFFSET + prompt_index * 10_007 + slot) % MAX_SEED
 
 
 # ---- fixed measurements and the shipped weights' scripts -------------------------------------------------------------

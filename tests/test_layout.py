@@ -57,7 +57,9 @@ BUDGETS = {  # lines of a recipe file: only what is particular to its algorithm,
     "flowrl/trainers/ram.py": 220,
     "flowrl/trainers/awm.py": 220,
     "flowrl/trainers/dgpo.py": 220,
+    "flowrl/trainers/gdro.py": 220,
     "flowrl/trainers/adjoint.py": 260,
+    "flowrl/trainers/adv_grpo.py": 220,
 }
 
 

@@ -288,6 +288,7 @@ REWARDS: dict[str, RewardCost] = {
     "imagereward": RewardCost("blip-vit-l", note="BLIP ViT-L/16 image + BERT-base prompt with cross-attention"),
     "temporal_consistency": RewardCost("clip-vit-b-32", ("vision",), note="open_clip ViT-B-32 per frame"),
     "dino_similarity": RewardCost("dinov2-base", ("vision",), note="DINOv2-base at 224 px (references cached)"),
+    "adversarial": RewardCost("dinov2-base", ("vision",), note="adv_grpo's RM: DINOv2-base (priced at 224 px) + a small head"),
     "ocr": RewardCost(None, note="RapidOCR / tesseract on the CPU: no GPU work"),
     "jpeg_compressibility": RewardCost(None, note="a JPEG encode on the CPU"),
     "jpeg_incompressibility": RewardCost(None, note="a JPEG encode on the CPU"),

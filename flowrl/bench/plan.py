@@ -124,6 +124,8 @@ def step_work(config: str | Path, overrides: list[str] = ()) -> tuple[dict[str, 
                 continue
             with standing_in():
                 metrics = metered_step(trainer)
+            for key, value in getattr(trainer, "offline_work", {}).items():  # an offline pool's work, billed once (gdro)
+                metrics[key] -= value
             if trainer.parts.scorer is not None:
                 trainer.parts.scorer.close()
             scale = prompts / k

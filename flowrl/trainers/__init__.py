@@ -11,8 +11,10 @@ from pathlib import Path
 
 from flowrl import config as run_config
 from flowrl.trainers.adjoint import AdjointMatchingConfig, AdjointMatchingTrainer
+from flowrl.trainers.adv_grpo import AdvGRPOConfig, AdvGRPOTrainer
 from flowrl.trainers.awm import AWMConfig, AWMTrainer
 from flowrl.trainers.dgpo import DGPOConfig, DGPOTrainer
+from flowrl.trainers.gdro import GDROConfig, GDROTrainer
 from flowrl.trainers.grpo import GRPOConfig, GRPOTrainer
 from flowrl.trainers.nft import NFTConfig, NFTTrainer
 from flowrl.trainers.ram import RAMConfig, RAMTrainer
@@ -24,6 +26,8 @@ TRAINERS: dict[str, type] = {
     "adjoint_matching": AdjointMatchingTrainer,
     "awm": AWMTrainer,
     "dgpo": DGPOTrainer,
+    "gdro": GDROTrainer,
+    "adv_grpo": AdvGRPOTrainer,
 }
 DEFAULT_TRAINER = "grpo"
 
@@ -55,10 +59,14 @@ def build_trainer(cfg: run_config.RunConfig, accelerator=None):
 __all__ = [
     "AdjointMatchingConfig",
     "AdjointMatchingTrainer",
+    "AdvGRPOConfig",
+    "AdvGRPOTrainer",
     "AWMConfig",
     "AWMTrainer",
     "DGPOConfig",
     "DGPOTrainer",
+    "GDROConfig",
+    "GDROTrainer",
     "TRAINERS",
     "GRPOConfig",
     "GRPOTrainer",

@@ -1,7 +1,7 @@
 """The composition matrix: every registered sampler x trainer x balancer, and whether it runs (docs/recipes/compose.md).
 
     flowrl recipes            # the table: which combination works, and why not where not
-    flowrl recipes --json     # [{"sampler": ..., "trainer": ..., "balancer": ..., "works": ..., "why": ...}]
+    flowrl recipes --json     # [{"sampler", "trainer", "balancer", "works", "why", "shapes_world"}, ...]
 
 Nothing here decides. A sampler states what its rollouts carry (`carries()`), a balancer what it asks of the
 trainer (`needs()`), and each trainer class judges a (sampler, balancer) pair in its `composition_error`
@@ -52,15 +52,25 @@ def composition_error(trainer: str, sampler: ComponentConfig, balancer: Componen
         return str(err)
 
 
+def shapes_world(trainer: str) -> str:
+    """What the trainer's class states about learning on the Shapes world (`shapes_world`, a class attribute): "" where
+    its toy config learns the gold, else one line with the page that reports what was tried."""
+    from flowrl.trainers import trainer_class
+
+    return getattr(trainer_class(trainer), "shapes_world", "")
+
+
 def matrix() -> list[dict]:
     """One row per (sampler variant, trainer variant, balancer variant): {"sampler", "trainer", "balancer", "works",
-    "why"}; a trainer variant is judged with its train keys on the recipe's defaults."""
+    "why", "shapes_world"}; a trainer variant is judged with its train keys on the recipe's defaults; `shapes_world` is
+    "" or the line that says the recipe does not learn the toy world (`shapes_world` above)."""
     from flowrl.trainers import trainer_class
 
     rows = []
     for sampler_label, sampler in variants(SAMPLERS):
         for trainer_label, trainer, keys in trainer_variants():
             train = trainer_class(trainer).config_class(**keys) if keys else None
+            note = shapes_world(trainer)
             for balancer_label, balancer in variants(BALANCERS):
                 why = composition_error(trainer, sampler, balancer, train)
                 rows.append(
@@ -70,6 +80,7 @@ def matrix() -> list[dict]:
                         "balancer": balancer_label,
                         "works": why is None,
                         "why": why or "",
+                        "shapes_world": note,
                     }
                 )
     return rows
@@ -77,7 +88,7 @@ def matrix() -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """A markdown table, one line per (sampler, trainer), one column per balancer: `yes`, or the number of the
-    reason listed under the table."""
+    reason listed under the table; a trainer that does not learn the Shapes world is marked † and its line listed."""
     balancers = list(dict.fromkeys(r["balancer"] for r in rows))
     reasons: dict[str, int] = {}
     cells: dict[tuple[str, str], dict[str, str]] = {}
@@ -88,11 +99,16 @@ def format_table(rows: list[dict]) -> str:
             cell = f"no ({reasons.setdefault(r['why'], len(reasons) + 1)})"
         cells.setdefault((r["sampler"], r["trainer"]), {})[r["balancer"]] = cell
     lines = ["| sampler | trainer | " + " | ".join(balancers) + " |", "|---|---|" + "---|" * len(balancers)]
+    notes = {r["trainer"]: r["shapes_world"] for r in rows if r.get("shapes_world")}
     for (sampler, trainer), row in cells.items():
-        lines.append(f"| {sampler} | {trainer} | " + " | ".join(row.get(b, "") for b in balancers) + " |")
+        label = f"{trainer} †" if trainer in notes else trainer
+        lines.append(f"| {sampler} | {label} | " + " | ".join(row.get(b, "") for b in balancers) + " |")
     works = sum(r["works"] for r in rows)
     lines += ["", f"{works} of {len(rows)} combinations run; why not, where not:", ""]
     lines += [f"{n}. {why}" for why, n in reasons.items()]
+    if notes:
+        lines += ["", "† does not learn the Shapes world (its config runs; what was tried is on its page):", ""]
+        lines += [f"- {trainer}: {note}" for trainer, note in notes.items()]
     return "\n".join(lines)
 
 

@@ -84,6 +84,16 @@ def nanmean(values: list[float]) -> float | None:
     return sum(finite) / len(finite) if finite else None
 
 
+def corrected_score(rewards: list, judges: list, low: float = 1.0, high: float = 5.0) -> list[float | None]:
+    """GDRO's corrected score per sample, r·(û − 3) + 0.2 with û = 1 + 4·(judge − low)/(high − low) the judge on a 1-5
+    scale (docs/recipes/gdro.md#the-corrected-score); None where either score is missing."""
+    out: list[float | None] = []
+    for r, j in zip(rewards, judges):
+        ok = r is not None and j is not None and math.isfinite(r) and math.isfinite(j)
+        out.append(r * (1.0 + 4.0 * (j - low) / (high - low) - 3.0) + 0.2 if ok else None)
+    return out
+
+
 def _sampler_record(sampler: Any) -> dict[str, Any]:
     record: dict[str, Any] = {"name": getattr(sampler, "registry_name", type(sampler).__name__)}
     if dataclasses.is_dataclass(sampler):
@@ -185,8 +195,10 @@ def evaluate(
     weights: str | None = None,
     accelerator=None,
     lockstep: bool = False,
+    corrected=None,
 ) -> dict | None:
-    """Sample every prompt x seed with `sampler`, score with every reward, write out_dir/scores.json + images.
+    """Sample every prompt x seed with `sampler`, score with every reward, write out_dir/scores.json + images; with
+    `corrected` (eval.corrected_score) also `corrected_score`: {reward, judge, mean, per_prompt}.
 
     `rewards` holds training and gold rewards by name; those named in `train_reward_names` are the training
     ones, the rest are gold. Returns the scores.json dict (schema in the module docstring).
@@ -278,6 +290,14 @@ def evaluate(
         "environment": _environment(model),
         "time_s": round(time.perf_counter() - start, 4),
     }
+    if corrected is not None:
+        got = [[x["scores"][corrected.reward], x["scores"][corrected.judge]] for x in samples]
+        per = corrected_score([r for r, _ in got], [j for _, j in got], *corrected.judge_range)
+        mean = {
+            "mean": nanmean(per),
+            "per_prompt": [nanmean(per[p * num_seeds : (p + 1) * num_seeds]) for p in range(num_prompts)],
+        }
+        result["corrected_score"] = {"reward": corrected.reward, "judge": corrected.judge, **mean}
     tmp = out / "scores.json.tmp"
     tmp.write_text(json.dumps(result, indent=1, default=str))
     os.replace(tmp, out / "scores.json")  # atomic: a crash never leaves half a scores.json
@@ -336,6 +356,15 @@ class Evaluator:
         if overlap:
             raise ValueError(f"eval.gold_rewards repeats the training reward(s) {overlap}; a gold reward must be another reward")
         self.rewards = {**rewards, **gold_rewards}
+        c = e.corrected_score
+        for key in ("reward", "judge") if c is not None else ():
+            if getattr(c, key) not in self.rewards:
+                raise ValueError(
+                    f"eval.corrected_score.{key}={getattr(c, key)!r} is not a training or gold reward; name one of "
+                    f"{', '.join(self.rewards)}"
+                )
+        if c is not None and (len(c.judge_range) != 2 or c.judge_range[0] >= c.judge_range[1]):
+            raise ValueError(f"eval.corrected_score.judge_range={c.judge_range} must be [low, high] with low < high")
         self.prompts = prompts[: e.num_prompts] if e.num_prompts else list(prompts)
         self.metadata = list(metadata)[: len(self.prompts)] if metadata is not None else None
         self.sampler = ODESampler(
@@ -388,6 +417,7 @@ class Evaluator:
             weights=weights,
             accelerator=accelerator,
             lockstep=lockstep,
+            corrected=getattr(self.cfg, "corrected_score", None),
         )
 
     def run_in_training(
@@ -440,7 +470,7 @@ class TrainingEvaluation:
 
         context, label = self.weights(step)
         with context:
-            return self.evaluator.run_in_training(
+            result = self.evaluator.run_in_training(
                 self.accelerator,
                 self.opt.sharding.kind == "fsdp",
                 self.run.eval_dir(step),
@@ -448,3 +478,6 @@ class TrainingEvaluation:
                 step_dir_name(step),
                 label,
             )
+        if result is not None and "corrected_score" in result and result["corrected_score"]["mean"] is not None:
+            self.accelerator.log({"eval/corrected_score": result["corrected_score"]["mean"]}, step=step or 0)  # trackers
+        return result

@@ -28,7 +28,8 @@ SAMPLER_SETTINGS = {  # per sampler name, on top of SHARED_SAMPLER
     "tree": {"split_steps": [0], "branching": 2},  # one split: a tree of 2 leaves per prompt group
     "candidates": {"pool_size": 3, "preview_backend": "few_step", "preview_num_steps": 1},
 }
-BALANCER_SETTINGS = {"sa_mrpo": {"bounds": {reward["name"]: [-1.0, 1.0] for reward in REWARDS}}}
+# adv_grpo adds reward "adversarial" (its hinge-trained RM's margins are ±1) beside the configured ones
+BALANCER_SETTINGS = {"sa_mrpo": {"bounds": {reward["name"]: [-1.0, 1.0] for reward in [*REWARDS, {"name": "adversarial"}]}}}
 TRAIN = {  # keys a recipe's config class lacks are dropped
     "learning_rate": 3e-3,
     # Adam's first step moves a weight by lr·g/(|g| + ε), which is steepest at |g| ≈ ε (slope lr/4ε): with ε = 1e-6 and

@@ -47,7 +47,7 @@ def test_the_matrix_is_the_registries_product_with_the_declared_variants(rows):
     assert {"sde(memoryless)", "tree", "candidates(full=ode)", "candidates(full=sde)", "candidates(full=tree)"} <= set(samplers)
     assert {"marble(full)", "marble(amortized)"} <= set(balancers)
     for r in rows:
-        assert r.keys() == {"sampler", "trainer", "balancer", "works", "why"}
+        assert r.keys() == {"sampler", "trainer", "balancer", "works", "why", "shapes_world"}
         assert r["works"] == (r["why"] == "") and "\n" not in r["why"]
 
     def works(s, t, b):
@@ -182,6 +182,7 @@ def test_the_cli_prints_the_table_and_the_json(capsys, rows):
     works = sum(r["works"] for r in rows)
     assert f"{works} of {len(rows)} combinations run" in table
     assert all(r["why"] in table for r in rows)
+    assert all(f"- {r['trainer']}: {r['shapes_world']}" in table for r in rows if r["shapes_world"])
     lines = [line for line in table.splitlines() if line.startswith("| ")]
     assert len(lines) == 1 + len({(r["sampler"], r["trainer"]) for r in rows})  # the header, a line per pair
 

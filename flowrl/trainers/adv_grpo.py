@@ -47,8 +47,8 @@ class AdvGRPOTrainer(GRPOTrainer):
     config_class = AdvGRPOConfig
     recipe_variants: ClassVar[dict[str, dict]] = {"": {}}
     shapes_world: ClassVar[str] = (
-        "its prompt-blind DINO-head reward lowers the held-out exact accuracy on every seed tried "
-        "(docs/recipes/adv_grpo.md#measured-on-the-shapes-world)"
+        "its prompt-blind DINO-head reward lowers the held-out exact accuracy on every seed run (race seeds 0-2: "
+        "6.2 / 18.8 / 21.9% from 32.8%; docs/recipes/adv_grpo.md#measured-on-the-shapes-world)"
     )
 
     @classmethod

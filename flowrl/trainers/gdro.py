@@ -60,8 +60,7 @@ class GDROConfig(RecipeConfig):
     """Prompts per pool shard (the unit an interrupted generation redoes)."""
     t_distribution: str = "uniform"
     """'uniform' t ~ U(0, 1) or 'logit_normal' t = sigmoid(N(0, 1)) (SD3's), then time_shift, on the trained σ range."""
-    time_shift: float = 1.0
-    """t ← s·t / (1 + (s − 1)·t) after the draw (1: none)."""
+    time_shift: float = 1.0  # t ← s·t / (1 + (s − 1)·t) after the draw (1: none)
     share_noise: bool = True
     """One (t, ε) for the whole group (as Diffusion-DPO and DGPO); false: one per sample."""
     num_train_timesteps: int = 1
@@ -78,12 +77,12 @@ def draw_times(seed: int, step: int, j: int, group_id: int, count: int, shape, t
     gen = torch.Generator().manual_seed(key + seed_formulas.TRAIN_STREAM)
     u = torch.rand(count, generator=gen) if t.t_distribution == "uniform" else torch.sigmoid(torch.randn(count, generator=gen))
     u = t.time_shift * u / (1 + (t.time_shift - 1) * u)
-    lo, hi = sigma_range
-    return lo + (hi - lo) * u, torch.randn((count, *shape), generator=gen)
+    return sigma_range[0] + (sigma_range[1] - sigma_range[0]) * u, torch.randn((count, *shape), generator=gen)
 
 
 class GDROTrainer:
     config_class = GDROConfig
+    shapes_world = "ends below the base on race seeds 0-2: docs/recipes/gdro.md#measured-on-the-shapes-world"
 
     @classmethod
     def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
@@ -214,7 +213,8 @@ class GDROTrainer:
     def own_state(self) -> tuple[dict, dict]:  # nothing beside the kit's: the pool is on disk, checked at the start
         return {}, {}
 
-    def load_own_state(self, saved: dict, path: Path) -> None: ...
+    def load_own_state(self, saved: dict, path: Path) -> None:  # nothing to load
+        return None
 
     def train(self) -> dict:
         return train_loop(self, "gdro")

@@ -10,15 +10,14 @@ import math
 
 import pytest
 import torch
-from launching import assert_same_checkpoints, one_and_two_processes, toy_config_run
+from launching import assert_same_checkpoints, one_and_two_processes, straight_and_resumed, toy_config_run
 from test_grpo_processes import write_config
-from test_trainer_contract import assert_same, toy_config, trainable
+from test_trainer_contract import assert_same, toy_config
 
 import flowrl.training.pool as pool_module
 from flowrl import work
 from flowrl.losses import dsm_loss, gdro_implicit_reward, gdro_loss
 from flowrl.trainers import build_trainer
-from flowrl.training.checkpoint import load_checkpoint
 from flowrl.training.evaluation import corrected_score
 from flowrl.training.loop import metered_step
 
@@ -163,18 +162,8 @@ def test_resumes_bit_for_bit(tmp_path):
     """Two groups, two minibatches of one group each, two (t, ε) draws: two optimizer steps a step."""
     extra = {"train.num_minibatches": 2, "data.num_prompts_per_step": 2, "train.num_train_timesteps": 2}
     extra |= {"checkpoint.every_n_steps": 1, "train.pool_dir": str(tmp_path / "pool")}
-    straight = gdro_config(tmp_path / "a", num_steps=2, **extra)
-    build_trainer(straight).train()
-    lines = [json.loads(line) for line in (straight.run_dir / "metrics.jsonl").read_text().splitlines()]
+    _, lines, _ = straight_and_resumed(gdro_config, tmp_path, extra)
     assert [line["train/optimizer_steps"] for line in lines] == [2, 4]
-    build_trainer(gdro_config(tmp_path / "b", num_steps=1, **extra)).train()
-    resumed_cfg = gdro_config(tmp_path / "b", num_steps=2, **{"checkpoint.resume": "latest"}, **extra)
-    resumed = build_trainer(resumed_cfg)
-    resumed.train()
-    a, b = (load_checkpoint(c.run_dir / "checkpoints" / "step_000002") for c in (straight, resumed_cfg))
-    for key in ("trainable", "ema", "optimizer", "lr_scheduler", "trainer_state"):
-        assert_same(a[key], b[key], key)
-    assert_same(a["trainable"], trainable(resumed), "live weights")
 
 
 def test_two_gloo_processes_match_one_process(tmp_path):

@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("flowrl.config",)),  # the run config: imports no recipe
     ("training", ("flowrl.training",)),  # the components every recipe calls
     ("recipes", ("flowrl.trainers", "flowrl.experimental")),
-    ("applications", ("flowrl.bench", "flowrl.report", "flowrl.demo", "flowrl.cli")),
+    ("applications", ("flowrl.bench", "flowrl.report", "flowrl.demo", "flowrl.cli", "flowrl.cli_rewards")),
 ]
 LAYER = {name: (rank, title) for rank, (title, names) in enumerate(LAYERS) for name in names}
 

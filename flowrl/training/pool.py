@@ -65,6 +65,13 @@ class Pool:
     manifest: dict
     rewards: dict[str, torch.Tensor]
 
+    def summary(self) -> str:
+        """One line: the folder, prompts x samples, and the transformer forwards and seconds the pool cost."""
+        m = self.manifest
+        forwards = sum(v for k, v in m["work"].items() if k.startswith("work/rollout/forward/"))
+        size = f"{m['num_prompts']} prompts x {m['fields']['train.pool_size']} samples"
+        return f"{self.folder}: {size}, {forwards:.0f} forwards, {m['seconds']:.1f} s"
+
     def x0(self, prompt_index: int, slots: torch.Tensor) -> torch.Tensor:
         """[len(slots), *latent_shape] float32: the clean endpoints `slots` of prompt `prompt_index`."""
         per = self.manifest["fields"]["train.pool_shard_prompts"]

@@ -101,10 +101,16 @@ def toy_config_run(tmp_path: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def straight_and_resumed(make_config, tmp_path: Path, extra: dict) -> tuple:
-    """Two steps straight, and one step then one more resumed from its checkpoint (configs from
-    `make_config(folder, num_steps=..., **keys)`, `extra` holding checkpoint.every_n_steps = 1); asserts the step-2
-    checkpoints and the resumed trainer's live weights equal bit for bit. Returns (the straight config, its metrics
+def straight_and_resumed(
+    make_config,
+    tmp_path: Path,
+    extra: dict,
+    steps: int = 2,
+    keys=("trainable", "ema", "optimizer", "lr_scheduler", "trainer_state"),
+) -> tuple:
+    """`steps` steps straight, and one step then the rest resumed from its checkpoint (configs from
+    `make_config(folder, num_steps=..., **overrides)`, `extra` holding checkpoint.every_n_steps = 1); asserts the last
+    checkpoints' `keys` and the resumed trainer's live weights equal bit for bit. Returns (the straight config, its metrics
     lines, the resumed trainer)."""
     import json
 
@@ -113,15 +119,15 @@ def straight_and_resumed(make_config, tmp_path: Path, extra: dict) -> tuple:
     from flowrl.trainers import build_trainer
     from flowrl.training.checkpoint import load_checkpoint
 
-    straight = make_config(tmp_path / "a", num_steps=2, **extra)
+    straight = make_config(tmp_path / "a", num_steps=steps, **extra)
     build_trainer(straight).train()
     lines = [json.loads(line) for line in (straight.run_dir / "metrics.jsonl").read_text().splitlines()]
     build_trainer(make_config(tmp_path / "b", num_steps=1, **extra)).train()
-    resumed_cfg = make_config(tmp_path / "b", num_steps=2, **{"checkpoint.resume": "latest"}, **extra)
+    resumed_cfg = make_config(tmp_path / "b", num_steps=steps, **{"checkpoint.resume": "latest"}, **extra)
     resumed = build_trainer(resumed_cfg)
     resumed.train()
-    a, b = (load_checkpoint(c.run_dir / "checkpoints" / "step_000002") for c in (straight, resumed_cfg))
-    for key in ("trainable", "ema", "optimizer", "lr_scheduler", "trainer_state"):
+    a, b = (load_checkpoint(c.run_dir / "checkpoints" / f"step_{steps:06d}") for c in (straight, resumed_cfg))
+    for key in keys:
         assert_same(a[key], b[key], key)
     assert_same(a["trainable"], trainable(resumed), "live weights")
     return straight, lines, resumed

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import assert_same_checkpoints, one_and_two_processes
+from launching import assert_same_checkpoints, one_and_two_processes, straight_and_resumed
 from safetensors.torch import load_file
 from test_grpo_processes import write_config
-from test_trainer_contract import assert_same, toy_config, trainable
+from test_trainer_contract import assert_same, toy_config
 
 from flowrl.trainers import build_trainer, load_config
 from flowrl.training.adversarial import (
@@ -160,22 +160,15 @@ def adv_config(tmp_path, **overrides):
 
 def test_resumes_bit_for_bit_across_rm_only_and_generator_epochs(tmp_path):
     extra = {"checkpoint.every_n_steps": 1, "train.adversarial.schedule": "every_k_epochs", "train.adversarial.d_times": 2}
-    straight = adv_config(tmp_path / "a", num_steps=3, **extra)
-    build_trainer(straight).train()
-    lines = [json.loads(line) for line in (straight.run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = ("trainable", "optimizer", "trainer_state")
+    straight, lines, resumed = straight_and_resumed(adv_config, tmp_path, extra, steps=3, keys=keys)
     assert [x["train/generator_updated"] for x in lines] == [0.0, 1.0, 0.0]
     assert [x["train/rm_version_scored"] for x in lines] == [0.0, 1.0, 1.0]  # the RM steps after epochs 0 and 2
-    build_trainer(adv_config(tmp_path / "b", num_steps=1, **extra)).train()
-    resumed_cfg = adv_config(tmp_path / "b", num_steps=3, **{"checkpoint.resume": "latest"}, **extra)
-    resumed = build_trainer(resumed_cfg)
-    resumed.train()
-    a, b = (load_checkpoint(c.run_dir / "checkpoints" / "step_000003") for c in (straight, resumed_cfg))
-    for key in ("trainable", "optimizer", "trainer_state"):
-        assert_same(a[key], b[key], key)
-    assert_same(a["trainable"], trainable(resumed), "live weights")
+    a = load_checkpoint(straight.run_dir / "checkpoints" / "step_000003")
     assert a["trainer_state"]["adversarial_rm"] == {"version": 2}
     rms = [
-        load_file(str(c.run_dir / "checkpoints" / "step_000003" / "adversarial_rm.safetensors")) for c in (straight, resumed_cfg)
+        load_file(str(c.run_dir / "checkpoints" / "step_000003" / "adversarial_rm.safetensors"))
+        for c in (straight, resumed.parts.cfg)
     ]
     assert_same(*rms, "adversarial_rm")
     assert any(k.startswith("adam.") for k in rms[0])

@@ -6,8 +6,7 @@ import json
 import shutil
 
 import pytest
-import yaml
-from launching import launch
+from launching import launch, one_and_two_processes
 from safetensors.torch import load_file
 from test_grpo_processes import write_config
 
@@ -63,12 +62,7 @@ def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
         "data": {"prompts": ["a red cat", "a blue dog", "a green tree"], "num_prompts_per_step": 1, "group_size": 4},
     }
     one = write_config(tmp_path, tiny_pipeline("sd3"), "one", **extra)
-    build_trainer(load_config(one)).train()
-    two = tmp_path / "two.yaml"
-    two.write_text(yaml.safe_dump({**yaml.safe_load(one.read_text()), "name": "two"}))
-    launch("cpu_2proc", two)
-    runs = tmp_path / "runs"
-    assert json.loads((runs / "two" / "launch.json").read_text())["num_processes"] == 2
+    runs, _ = one_and_two_processes(tmp_path, one)
     norms = grad_norms(runs / "one"), grad_norms(runs / "two")
     assert len(norms[0]) == STEPS and min(norms[0]) > 0 and norms[0] == pytest.approx(norms[1], rel=1e-4), norms
     for file in FILES:

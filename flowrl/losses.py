@@ -89,6 +89,25 @@ def velocity_kl(v_theta: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
     return ((v_theta.float() - v_ref.detach().float()) ** 2).mean(tuple(range(1, v_theta.ndim)))
 
 
+def blended_velocity(velocities: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """SMOPD's multi-teacher target v̄ = Σ_k λ_k·v_k (docs/recipes/smopd.md): teachers' velocities [K, n, ...], mix λ
+    [K] (or [K, n], a mix per sample), each column summing to 1 -> [n, ...]. Since Σ_k λ_k·||v − v_k||² =
+    ||v − v̄||² + Σ_k λ_k·||v_k − v̄||², distilling v̄ has the λ-weighted multi-teacher loss's gradient."""
+    lam = mix.to(velocities).reshape(*mix.shape, *([1] * (velocities.ndim - mix.ndim)))  # [K, (n,) 1, ...]
+    return (lam * velocities).sum(0)
+
+
+def velocity_distill_loss(v_student: torch.Tensor, target: torch.Tensor, self_normalised: bool = True) -> torch.Tensor:
+    """On-policy distillation per sample [n] (docs/recipes/smopd.md): mean over elements of d² with d = v_S − sg(v_T),
+    self-normalised (DiffusionOPD's option) by sg(mean|d| + 1e-8), so its gradient has the scale of NFT's
+    self-normalised x0 loss however close the teachers are; plain mean(d²) without."""
+    squared = velocity_kl(v_student, target)  # [n]
+    if not self_normalised:
+        return squared
+    d = (v_student.detach().float() - target.detach().float()).abs()
+    return squared / (d.mean(tuple(range(1, d.ndim))) + 1e-8)
+
+
 def nft_loss(
     v_theta: torch.Tensor,
     v_old: torch.Tensor,

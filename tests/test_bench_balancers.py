@@ -1,12 +1,21 @@
-"""`flowrl bench balancers` (flowrl/bench/balancers.py): the JSON's shape and its consistency with the runs, the CLI and
-its one-line errors, on the shipped toy model at tiny sizes (2 train steps, 1 held-out seed, 2 ODE steps)."""
+"""`flowrl bench balancers` (flowrl/bench/balancers.py): the JSON's shape and its consistency with the runs, the bed's
+validity and MARBLE's half-gain test worked out on made-up runs, the CLI and its one-line errors, on the shipped toy
+model at tiny sizes (2 train steps, 1 held-out seed, 2 ODE steps)."""
 
 import json
 
 import pytest
 
 from flowrl import cli
-from flowrl.bench.balancers import REWARDS, balancer_order, balancers_result, bench_balancers, merge_balancers
+from flowrl.bench.balancers import (
+    BALANCER_RUNS,
+    REWARDS,
+    TUNED_WEIGHTS,
+    balancer_order,
+    balancers_result,
+    bench_balancers,
+    merge_balancers,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -16,7 +25,7 @@ TINY = ["num_steps=2", "data.num_prompts_per_step=2", "data.group_size=2", "samp
 def test_bench_of_two_balancers_writes_consistent_json(tmp_path):
     out = tmp_path / "deep" / "balancers.json"
     result = bench_balancers(
-        balancers=["weighted_sum", "marble"],
+        balancers=["marble", "single_toy_size", "weighted_sum"],
         seeds=[0],
         overrides=TINY,
         out_json=out,
@@ -31,15 +40,65 @@ def test_bench_of_two_balancers_writes_consistent_json(tmp_path):
         run = result["runs"][name]["0"]
         for reward in REWARDS:  # the change is final minus base, on the held-out split
             assert deltas[reward] == [pytest.approx(run["final"][reward] - run["base"][reward], abs=1e-5)]
-        assert 0 <= result["opposed_fraction"][name] <= 1  # every optimizer step had per-reward gradients
-        assert result["step_s"][name] > 0
-        assert result["improves_every_reward_every_seed"][name] == all(v[0] > 0 for v in deltas.values())
+        assert result["step_s"][name] > 0 and result["keeps_half"][name] == [None]  # no single run of every reward
+    assert 0 <= result["opposed_fraction"]["weighted_sum"] <= 1 and result["opposed_fraction"]["marble"] is None  # probed
+    assert list(result["runs"]) == ["single_toy_size", "weighted_sum", "marble"]  # single-reward runs first
+    single = result["runs"]["single_toy_size"]["0"]
+    assert single["rewards"] == ["toy_size"] and result["runs"]["weighted_sum"]["0"]["rewards"] == list(REWARDS)
+    assert result["single_reward_gain"] == {"toy_size": [single["delta"]["toy_size"]]}
     assert 0 <= result["runs"]["marble"]["0"]["base"]["toy_attributes"] <= 1
+    assert 0 <= result["runs"]["marble"]["0"]["base"]["toy_midline"] <= 1 and result["base"]["toy_size"] > 10
     assert sum(result["alpha"]["marble"][0].values()) == pytest.approx(1.0, abs=1e-6)
     timing = result["side_by_side_step_s"]
-    assert result["marble_step_ratio"] == round(timing["marble"] / timing["nft"], 4)
-    assert result["marble_weighted_sum_step_ratio"] == round(timing["marble"] / timing["weighted_sum"], 4)
-    assert len(result["single_reward_delta"]["toy_attributes"]) == 1 and result["overrides"] == TINY
+    assert result["marble_step_ratio"] == round(timing["marble"] / timing["weighted_sum"], 4)
+    assert result["overrides"] == TINY and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def made_up_run(delta: dict) -> dict:
+    return {
+        "delta": delta,
+        "base": {},
+        "final": {},
+        "opposed_fraction": None,
+        "step_s": 1.0,
+        "offline_s": None,
+        "alpha": {},
+        "fallbacks": None,
+    }
+
+
+def test_validity_and_half_gain_worked_out_on_made_up_runs():
+    a, b, c, d = REWARDS
+    singles = {  # per seed: the trained reward's gain and the others' changes
+        a: [{a: 0.2, b: -1.0, c: 5.0, d: 0.0}, {a: 0.1, b: -0.5, c: -1.0, d: 0.1}, {a: 0.3, b: 0.5, c: 2.0, d: 0.0}],
+        b: [{a: 0.0, b: 1.0, c: 0.0, d: 0.0}] * 3,
+        c: [{a: -0.1, b: 0.0, c: 10.0, d: -0.1}, {a: -0.1, b: 0.0, c: 10.0, d: 0.1}, {a: 0.1, b: 0.0, c: -2.0, d: -0.1}],
+        d: [{a: 0.0, b: 0.0, c: 0.0, d: 0.1}] * 3,
+    }
+    runs = {f"single_{r}": {seed: made_up_run(x) for seed, x in enumerate(per_seed)} for r, per_seed in singles.items()}
+    halves = {a: 0.1, b: 0.5, c: 5.0, d: 0.05}  # exactly half of seed 0's gains (0.2, 1.0, 10.0, 0.1)
+    runs["marble"] = {
+        0: made_up_run(halves),  # keeps half of every gain: True
+        1: made_up_run({**halves, b: 0.49}),  # b below half of its 1.0: False
+        2: made_up_run({a: 0.2, b: 0.5, c: -1.0, d: 0.05}),  # c's single gain was -2: half of it is -1, kept: True
+    }
+    result = balancers_result(runs, None, [], {"seeds": [0, 1, 2]}, {})
+    assert result["single_reward_gain"] == {a: [0.2, 0.1, 0.3], b: [1.0] * 3, c: [10.0, 10.0, -2.0], d: [0.1] * 3}
+    assert result["single_reward_rises_every_seed"] == {a: True, b: True, c: False, d: True}
+    assert result["single_reward_cross"][a][b] == [-1.0, -0.5, 0.5]
+    lowered = {(x["trained"], x["lowered"]): x["seeds_lowered"] for x in result["conflicts"]}
+    assert lowered == {(a, b): 2, (c, a): 2, (c, d): 2}  # lowered on 2 of 3 seeds; (a, c) only on 1
+    assert result["keeps_half"] == {"marble": [True, False, True]} and result["keeps_half_seeds"] == {"marble": 2}
+
+
+def test_tuned_weights_reach_the_weighted_sum_config():
+    from flowrl.bench.balancers import TOY_CONFIGS, _fixed
+    from flowrl.trainers import load_config
+
+    stem, extra = BALANCER_RUNS["weighted_sum_tuned"]
+    cfg = load_config(TOY_CONFIGS / f"{stem}.yaml", [*_fixed("/tmp/unused", "x", 0), *extra])
+    assert {r.name: r.weight for r in cfg.rewards} == TUNED_WEIGHTS
+    assert cfg.rewards[1].kwargs == {"output": "log_odds"}
 
 
 def test_bad_input_is_one_line_naming_the_flag(tmp_path, capsys):
@@ -55,7 +114,8 @@ def test_bad_input_is_one_line_naming_the_flag(tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("flowrl bench: error: ") and expected in lines[0], lines
     assert not (tmp_path / "bad.json").exists()
-    assert balancer_order(None)[0] == "weighted_sum" and "marble_full" in balancer_order(None)
+    assert balancer_order(None)[0] == "single_toy_attributes" and "marble_full" in balancer_order(None)
+    assert balancer_order(["smopd", "weighted_sum"]) == ["weighted_sum", "smopd"]
 
 
 def test_parts_run_apart_merge_into_one_bench(tmp_path):
@@ -69,12 +129,12 @@ def test_parts_run_apart_merge_into_one_bench(tmp_path):
         == 0
     )
     timing = json.loads(t.read_text())
-    assert timing["runs"] == {} and set(timing["side_by_side_step_s"]) == {"nft", "weighted_sum", "marble"}
+    assert timing["runs"] == {} and set(timing["side_by_side_step_s"]) == {"weighted_sum", "marble"}
     out = tmp_path / "merged.json"
     parts = [str(tmp_path / "a.json"), str(tmp_path / "b.json"), str(t)]
     assert cli.main(["bench", "balancers", "--json", str(out), "--merge", *parts]) == 0
     merged = json.loads(out.read_text())
-    pooled = {name: {0: a["runs"][name]["0"], 1: b["runs"][name]["1"]} for name in ("nft", "weighted_sum")}
+    pooled = {"weighted_sum": {0: a["runs"]["weighted_sum"]["0"], 1: b["runs"]["weighted_sum"]["1"]}}
     settings = {**a["settings"], "seeds": [0, 1]}
     expected = balancers_result(pooled, timing["side_by_side_step_s"], TINY, settings, a["host"])
     assert merged == json.loads(json.dumps(expected))  # the runs pooled, the timing from the part that has it
@@ -99,23 +159,19 @@ def test_parts_run_apart_merge_into_one_bench(tmp_path):
         bench_balancers(seeds=[], timing_steps=0, **common)
 
 
-def test_jpeg_by_count_reads_the_world_renders_and_prefers_fewer_shapes():
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    from flowrl.bench.balancers import jpeg_by_count
+def test_world_by_count_reads_the_world_renders():
+    from flowrl.bench.balancers import world_by_count
+    from flowrl.toy.exact import find_blobs
     from flowrl.toy.world import ALL_SPECS, render
 
-    table = jpeg_by_count.__wrapped__(2)
-    for n in (1, 2, 3):  # minus the kB of a quality-95 JPEG, encoded here straight through PIL
-        sizes = []
-        for i, spec in enumerate(s for s in ALL_SPECS for _ in range(2)):
-            if spec.count == n:
-                pixels = (render(spec, i) * 255).round().clamp(0, 255).byte().permute(1, 2, 0).numpy()
-                buffer = io.BytesIO()
-                Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="JPEG", quality=95)
-                sizes.append(-buffer.tell() / 1000)
-        assert table[str(n)]["mean"] == pytest.approx(float(np.mean(sizes)), abs=1e-4)
-    assert table["1"]["mean"] > table["2"]["mean"] > table["3"]["mean"]  # every shape costs JPEG reward
+    table = world_by_count.__wrapped__(2)
+    specs = [s for s in ALL_SPECS for _ in range(2)]
+    for n in (1, 2, 3):  # the mean of each render's mean shape area, from the exact checker's blobs here
+        areas = [
+            sum(b.area for b in blobs) / len(blobs)
+            for i, spec in enumerate(specs)
+            if spec.count == n
+            for blobs in find_blobs(render(spec, i)[None])
+        ]
+        assert table[str(n)]["toy_size"] == pytest.approx(sum(areas) / len(areas), abs=1e-3)
+    assert table["1"]["toy_midline"] > table["2"]["toy_midline"] >= table["3"]["toy_midline"]  # rarer with more shapes

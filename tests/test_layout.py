@@ -60,6 +60,7 @@ BUDGETS = {  # lines of a recipe file: only what is particular to its algorithm,
     "flowrl/trainers/gdro.py": 220,
     "flowrl/trainers/adjoint.py": 260,
     "flowrl/trainers/adv_grpo.py": 220,
+    "flowrl/trainers/smopd.py": 220,
 }
 
 

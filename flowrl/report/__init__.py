@@ -10,7 +10,8 @@ RUN_DIR/report/):
 - grid_<step>.png (grid_<run>_<step>.png for compared runs): rows = prompts, columns = seeds, each cell
   captioned with its rewards; the base block and the checkpoint's block side by side (videos as frame strips);
 - index.html: one file with every image inline (base64 data URIs, no scripts, no external CSS/fonts):
-  overall table, reward-hacking panel, reward/KL curves, per-reward tables with the change from base (per
+  overall table, reward-hacking panel, reward/KL curves (and, comparing runs, a Pareto scatter per reward pair of
+  the final evals), per-reward tables with the change from base (per
   prompt and overall), the sample grids (videos as strips plus the animated GIF), the run's config and the
   environment, and a "Gaps" list naming every missing piece of the run folder.
 
@@ -27,7 +28,7 @@ Modules: runs (reading a run folder), scores (checking scores.json), grid (grid 
 curves (training curves), hacking (the panel's rules, plot and HTML), page (index.html), writer (build_report).
 """
 
-from flowrl.report.curves import curves_png
+from flowrl.report.curves import curves_png, draw_pareto, pareto_front, pareto_png
 from flowrl.report.grid import GlyphPainter, caption_lines, display_height, fmt, fmt_delta, render_grid
 from flowrl.report.hacking import check_pairs, hacking_png, hacking_rows, paired_gains
 from flowrl.report.page import CSS, PACKAGES, data_uri, environment
@@ -46,6 +47,7 @@ __all__ = [
     "caption_lines",
     "check_pairs",
     "curves_png",
+    "draw_pareto",
     "data_uri",
     "display_height",
     "environment",
@@ -55,6 +57,8 @@ __all__ = [
     "hacking_rows",
     "load_run",
     "paired_gains",
+    "pareto_front",
+    "pareto_png",
     "read_metrics",
     "read_scores",
     "render_grid",

@@ -61,3 +61,60 @@ def curves_png(runs: list[RunRecord]) -> bytes | None:
         ax.axis("off")
     figure.tight_layout()
     return figure_png(figure)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point dominates (at least as high on both axes, higher on one), by x."""
+    front = [
+        i
+        for i, (x, y) in enumerate(points)
+        if not any(u >= x and v >= y and (u > x or v > y) for j, (u, v) in enumerate(points) if j != i)
+    ]
+    return sorted(front, key=lambda i: points[i])
+
+
+def draw_pareto(ax, labelled: dict[str, tuple[float, float]], xlabel: str, ylabel: str, origin=None) -> None:
+    """One reward pair: every labelled point, the Pareto front joined by a line, `origin` (the base) as a grey cross."""
+    names = list(labelled)
+    points = [labelled[n] for n in names]
+    front = pareto_front(points)
+    for i, (name, (x, y)) in enumerate(zip(names, points)):
+        ax.scatter([x], [y], s=28 if i in front else 14, zorder=3)
+        ax.annotate(name, (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    if len(front) > 1:
+        ax.plot([points[i][0] for i in front], [points[i][1] for i in front], color="black", linewidth=0.8, zorder=2)
+    if origin is not None:
+        ax.scatter([origin[0]], [origin[1]], marker="x", color="grey", zorder=3)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+
+
+def pareto_png(runs: list[RunRecord], max_rewards: int = 5) -> bytes | None:
+    """With two runs or more: per pair of the rewards every run's last eval has (training, then gold; at most
+    `max_rewards`), a scatter of the runs' final means with their Pareto front and the first run's base."""
+    import itertools
+
+    finals = [run.evals[-1] for run in runs if run.evals]
+    if len(runs) < 2 or len(finals) < len(runs):
+        return None
+    train, gold = runs[0].reward_names()
+    rewards = [r for r in [*train, *gold] if all(isinstance(e.overall(r), (int, float)) for e in finals)][:max_rewards]
+    pairs = list(itertools.combinations(rewards, 2))
+    if not pairs:
+        return None
+    cols = min(3, len(pairs))
+    rows = math.ceil(len(pairs) / cols)
+    figure, axes = new_figure(rows, cols, 4.2 * cols, 3.4 * rows)
+    base = runs[0].base
+    for ax, (a, b) in zip(axes.flat, pairs):
+        labelled = {run.name: (final.overall(a), final.overall(b)) for run, final in zip(runs, finals)}
+        origin = (
+            (base.overall(a), base.overall(b)) if base is not None and None not in (base.overall(a), base.overall(b)) else None
+        )
+        draw_pareto(ax, labelled, a, b, origin)
+    for ax in list(axes.flat)[len(pairs) :]:
+        ax.axis("off")
+    figure.suptitle("final eval: each run, the Pareto front (line) and the base (x)", fontsize=9)
+    figure.tight_layout()
+    return figure_png(figure)

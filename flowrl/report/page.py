@@ -237,6 +237,7 @@ def page_html(
     curves: bytes | None,
     env: dict[str, str],
     grids: list[str],
+    pareto: bytes | None = None,
 ) -> str:
     names = ", ".join(run.name for run in runs)
     gap_html = (
@@ -248,6 +249,11 @@ def page_html(
         f'<img class="plot" alt="training curves" src="{data_uri(curves, "image/png")}">'
         if curves
         else "<p>No metrics to plot.</p>"
+    )
+    pareto_html = (
+        f'<h3>Pareto fronts at the final eval</h3><img class="plot" alt="Pareto fronts" src="{data_uri(pareto, "image/png")}">'
+        if pareto
+        else ""
     )
     grid_links = " ".join(f'<a href="{esc(g)}">{esc(g)}</a>' for g in grids)
     env_rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in env.items())
@@ -262,7 +268,7 @@ def page_html(
 <h2 id="gaps">Gaps</h2>{gap_html}
 <h2 id="overview">Overview</h2>{overview(runs)}
 <h2 id="hacking">Reward hacking</h2>{"".join(sections["hacking"])}
-<h2 id="curves">Reward and KL curves</h2>{curve_html}
+<h2 id="curves">Reward and KL curves</h2>{curve_html}{pareto_html}
 <h2 id="tables">Per-reward tables (change from base)</h2>{"".join(sections["tables"])}
 <h2 id="samples">Samples</h2><p>Grid files: {grid_links}</p>{"".join(sections["samples"])}
 <h2 id="config">Config</h2>{"".join(sections["config"])}

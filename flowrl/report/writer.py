@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flowrl.report.curves import curves_png
+from flowrl.report.curves import curves_png, pareto_png
 from flowrl.report.grid import render_grid
 from flowrl.report.hacking import check_pairs, hacking_rows, hacking_section, run_pairs
 from flowrl.report.page import environment, esc, eval_environments, page_html, samples_section, tables_section
@@ -86,7 +86,7 @@ def build_report(
         config = esc(run.config_text) if run.config_text is not None else "(config.yaml missing)"
         summary = f"<h4>summary.json</h4><pre>{esc(json.dumps(run.summary, indent=1))}</pre>" if run.summary else ""
         sections["config"].append(f"{title}<pre>{config}</pre>{summary}{eval_environments(run)}")
-    page = page_html(runs, gaps, sections, curves_png(runs), environment(), grids)
+    page = page_html(runs, gaps, sections, curves_png(runs), environment(), grids, pareto_png(runs))
     (out / "index.html").write_text(page, encoding="utf-8")
     return {
         "index": str(out / "index.html"),

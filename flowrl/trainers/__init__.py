@@ -18,6 +18,7 @@ from flowrl.trainers.gdro import GDROConfig, GDROTrainer
 from flowrl.trainers.grpo import GRPOConfig, GRPOTrainer
 from flowrl.trainers.nft import NFTConfig, NFTTrainer
 from flowrl.trainers.ram import RAMConfig, RAMTrainer
+from flowrl.trainers.smopd import SMOPDConfig, SMOPDTrainer
 
 TRAINERS: dict[str, type] = {
     "grpo": GRPOTrainer,
@@ -28,6 +29,7 @@ TRAINERS: dict[str, type] = {
     "dgpo": DGPOTrainer,
     "gdro": GDROTrainer,
     "adv_grpo": AdvGRPOTrainer,
+    "smopd": SMOPDTrainer,
 }
 DEFAULT_TRAINER = "grpo"
 
@@ -74,6 +76,8 @@ __all__ = [
     "NFTTrainer",
     "RAMConfig",
     "RAMTrainer",
+    "SMOPDConfig",
+    "SMOPDTrainer",
     "build_config",
     "build_trainer",
     "load_config",

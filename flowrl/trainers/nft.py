@@ -102,6 +102,7 @@ def training_times(
 
 class NFTTrainer:
     config_class = NFTConfig
+    adapters: tuple[str, ...] = (OLD,)  # LoRA adapters beside the trained one (a subclass adds its teachers)
 
     @classmethod
     def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
@@ -123,15 +124,13 @@ class NFTTrainer:
             raise ValueError(f"train.nft_beta={t.nft_beta} and train.adv_clip_max={t.adv_clip_max} must be > 0")
         if not cfg.model.use_lora:
             raise ValueError("trainer: nft needs model.use_lora=true (the sampling policy and the reference are adapters)")
-        why = self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards)
-        if why:
+        if why := self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
             raise ValueError(why)
         # θ_old = θ (= the reference while LoRA B = 0), a second adapter on the same transformer
-        self.parts = parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), "nft", adapters=(OLD,))
+        self.parts = parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), "nft", adapters=self.adapters)
         self.old_params = parts.model.adapter_parameters(OLD)  # after sharding: the live (possibly sharded) tensors
         self.guidance = kit.refuse_cfg("nft", parts, "collects data CFG-free and trains the conditional velocity")
-        # per-reward gradients: MARBLE's balancing, or the probe
-        self.reward_grads = kit.reward_gradients(parts, True, t.adv_clip_max, t.log_reward_gradients)
+        self.reward_grads = kit.reward_gradients(parts, True, t.adv_clip_max, t.log_reward_gradients)  # MARBLE, the probe
 
     def train_step(self) -> dict[str, float]:
         parts, t = self.parts, self.parts.cfg.train
@@ -192,6 +191,9 @@ class NFTTrainer:
 
                 kl = t.kl_coef * (velocity_kl(v_theta, v_ref) * keep_b).sum() / kept / per_backward if v_ref is not None else None
                 loss = (per_sample * keep_b).sum() / kept / per_backward
+                if (extra := self.extra_loss(x_t, sigma, sub_cond, v_theta)) is not None:  # [b]: a subclass's term
+                    extra = (extra * keep_b).sum() / kept / per_backward
+                    loss, kl = loss + extra, extra if kl is None else kl + extra
                 grads.backward_step(loss, policy, per_reward_b, kl, boundary=j == times.shape[1] - 1 and mb.closes_step)
                 optimizer_steps.losses.append(per_sample.detach().mean())
                 for key in names:
@@ -199,6 +201,9 @@ class NFTTrainer:
         out = {"train/loss": float(torch.stack(optimizer_steps.losses).mean())}
         out |= {f"train/{k}": float(torch.stack(v).mean()) for k, v in stats.items()}
         return out | parts.opt.metrics() | grads.metrics()
+
+    def extra_loss(self, x_t, sigma, cond, v_theta) -> torch.Tensor | None:  # [b] beside NFT's, reduced as it, outside
+        return None  # the per-reward balancing as the KL (SMOPD's distillation); none here
 
     # ------------------------------------------------------------------------------------------ state and loop
     def own_state(self) -> tuple[dict, dict]:

@@ -44,6 +44,7 @@ TRAIN = {  # keys a recipe's config class lacks are dropped
     "num_loss_targets_per_sample": 1,  # RAM: one noising per endpoint
     "reward_multiplier": 10.0,  # RAM and adjoint matching
     "num_random_loss_times": 1,  # adjoint matching
+    "teacher_steps": 1,  # SMOPD: one step per teacher
 }
 
 

@@ -131,7 +131,7 @@ def test_the_covering_rows_contain_every_working_pair(rows):
 
 @pytest.mark.slow
 def test_every_working_pair_steps_resumes_and_matches_two_processes(tmp_path, rows):
-    """Every working pair (`covering`: the 63 of 249 working triples that hold them all), one
+    """Every working pair (`covering`: the 67 of 291 working triples that hold them all), one
     trainer per row: step 1, checkpoint, step 2 (the straight run), then resume the step-1 checkpoint into it and step
     again: the step-2 state must come back bit for bit (a state the checkpoint misses would stay at its step-2 value).
     The 2-process launch runs meanwhile; its step-1 weights must equal these."""

@@ -39,6 +39,7 @@ def toy_config(tmp_path, trainer, **overrides):
         "use_async_rewards": False,
         "use_ema": True,
         "ema_every_n_steps": 1,
+        "teacher_steps": 1,  # SMOPD's teachers
     }
     fields = {f.name for f in dataclasses.fields(TRAINERS[trainer].config_class)}
     data = {

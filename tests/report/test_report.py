@@ -299,3 +299,27 @@ def test_a_bare_run_folder_still_yields_a_report(tmp_path):
     assert gaps[2].startswith("eval/ holds no scores.json") and result["grids"] == []
     page = Cells((run_dir / "report" / "index.html").read_text())
     assert page.gaps == [f"bare: {g}" for g in gaps] and page.images == []
+
+
+def test_pareto_front_by_hand():
+    from flowrl.report import pareto_front
+
+    points = [(0.0, 1.0), (1.0, 0.0), (0.5, 0.5), (0.4, 0.4), (1.0, -1.0), (0.5, 0.5)]
+    # (0.4, 0.4) is below (0.5, 0.5); (1, -1) below (1, 0); the two equal (0.5, 0.5) do not dominate each other
+    assert pareto_front(points) == [0, 2, 5, 1]
+    assert pareto_front([(1.0, 1.0)]) == [0] and pareto_front([]) == []
+
+
+def test_compared_runs_get_a_pareto_scatter_of_their_final_evals(tmp_path):
+    from flowrl.report import load_run, pareto_png
+
+    a = fabricate_run(tmp_path, "alpha", prompts=PROMPTS, seeds=SEEDS, steps=[0, 10])
+    b = fabricate_run(tmp_path, "beta", prompts=PROMPTS, seeds=SEEDS, steps=[0, 10], scores_fn=lambda k, p, s: {TRAIN: 1.0, GOLD: 1.0})
+    assert pareto_png([load_run(a)]) is None  # one run: nothing to compare
+    png = pareto_png([load_run(a), load_run(b)])
+    assert png[:4] == b"\x89PNG"
+    page = build_report(a, [b], tmp_path / "cmp")
+    html = (tmp_path / "cmp" / "index.html").read_text()
+    assert page["index"] and "Pareto fronts at the final eval" in html
+    single = build_report(a, [], tmp_path / "one")
+    assert single["index"] and "Pareto fronts" not in (tmp_path / "one" / "index.html").read_text()

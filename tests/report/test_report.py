@@ -314,7 +314,9 @@ def test_compared_runs_get_a_pareto_scatter_of_their_final_evals(tmp_path):
     from flowrl.report import load_run, pareto_png
 
     a = fabricate_run(tmp_path, "alpha", prompts=PROMPTS, seeds=SEEDS, steps=[0, 10])
-    b = fabricate_run(tmp_path, "beta", prompts=PROMPTS, seeds=SEEDS, steps=[0, 10], scores_fn=lambda k, p, s: {TRAIN: 1.0, GOLD: 1.0})
+    b = fabricate_run(
+        tmp_path, "beta", prompts=PROMPTS, seeds=SEEDS, steps=[0, 10], scores_fn=lambda k, p, s: {TRAIN: 1.0, GOLD: 1.0}
+    )
     assert pareto_png([load_run(a)]) is None  # one run: nothing to compare
     png = pareto_png([load_run(a), load_run(b)])
     assert png[:4] == b"\x89PNG"

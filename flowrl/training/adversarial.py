@@ -162,6 +162,7 @@ class DinoBackbone(nn.Module):
         from transformers import Dinov2Model
 
         from flowrl.hub import hub_errors, is_hub_id
+        from flowrl.rewards.dino_similarity import IMAGENET_MEAN, IMAGENET_STD  # the dino_similarity reward's input
 
         if not os.path.isdir(model) and not is_hub_id(model):
             raise FileNotFoundError(
@@ -170,8 +171,8 @@ class DinoBackbone(nn.Module):
         with hub_errors(model, "train.adversarial.backbone"):
             self.model = Dinov2Model.from_pretrained(model)
         self.image_size = image_size
-        self.register_buffer("mean", torch.tensor((0.485, 0.456, 0.406)).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor((0.229, 0.224, 0.225)).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         size = (self.image_size, self.image_size)

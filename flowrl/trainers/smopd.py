@@ -124,7 +124,9 @@ def train_teachers(cfg: RunConfig, acc, folder: Path) -> dict:
         finally:
             if teacher.parts.scorer is not None:
                 teacher.parts.scorer.close()
-        state = {name: full(p.detach()).cpu() for name, p in teacher.parts.model.adapter_parameters("default").items()}
+        weights, _ = teacher.parts.evaluation.weights(teacher.parts.step)  # what the teacher's run evaluates (its EMA)
+        with weights:
+            state = {name: full(p.detach()).cpu() for name, p in teacher.parts.model.adapter_parameters("default").items()}
         if acc.is_main_process:
             torch.save(state, folder / f"teacher_{index}.pt")
         del teacher

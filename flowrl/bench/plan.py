@@ -87,14 +87,15 @@ def step_work(config: str | Path, overrides: list[str] = ()) -> tuple[dict[str, 
     num_prompts_per_step / k; its text encoders run at 8 tokens (the price uses the real length)."""
     from flowrl.models import archs
     from flowrl.models.tiny import TINY_SIZES, build_tiny_pipeline
-    from flowrl.trainers import build_trainer, load_config
+    from flowrl.trainers import build_trainer, load_config, trainer_class
     from flowrl.training.loop import metered_step
     from flowrl.training.scoring import standing_in
 
     cfg = load_config(config, list(overrides))
     prompts = cfg.data.num_prompts_per_step
     with tempfile.TemporaryDirectory(prefix="flowrl-plan-") as tmp:
-        stand_in = [*STAND_IN, f"output_dir={tmp}", "name=plan"]
+        # a recipe's own settings that leave the per-step price alone, made small (SMOPD: its teachers' steps)
+        stand_in = [*STAND_IN, *getattr(trainer_class(cfg.trainer), "plan_overrides", ()), f"output_dir={tmp}", "name=plan"]
         if cfg.model.path != "toy":
             family = archs.family_of(cfg.model.path).key
             tiny = tiny_family(family, cfg.model.path)

@@ -140,6 +140,7 @@ def train_teachers(cfg: RunConfig, acc, folder: Path) -> dict:
 
 class SMOPDTrainer(NFTTrainer):
     config_class = SMOPDConfig
+    plan_overrides = ("train.teacher_steps=1",)  # flowrl plan prices a student step; the teachers are offline work
 
     def __init__(self, cfg: RunConfig, accelerator=None):
         t, specs = cfg.train, teacher_specs(cfg)

@@ -35,6 +35,7 @@ REAL = {
     "sd3-dgpo": "configs/sd3/dgpo_pickscore.yaml",
     "sd3-gdro": "configs/sd3/gdro_pickscore.yaml",
     "sd3-adv_grpo": "configs/sd3/adv_grpo_dino.yaml",
+    "sd3-smopd": "configs/sd3/smopd_pickscore_ocr.yaml",
     "sd3-ram_ocr": "configs/sd3/ram_ocr.yaml",
     "flux-ram": "configs/flux/ram_hpsv2.yaml",
     "sd3-adjoint_matching": "configs/sd3/adjoint_matching_imagereward.yaml",
@@ -93,6 +94,7 @@ OWN_METRIC = {  # a metric only the recipe's own stage 6 logs
     "dgpo": "train/group_weight",
     "gdro": "train/top1_match",
     "adv_grpo": "train/rm_loss",
+    "smopd": "train/distill_loss",
     "adjoint_matching": "train/grad_reward_norm",
 }
 
@@ -120,6 +122,8 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
         prompts = (ROOT / data["data"]["prompts_file"]).read_text().splitlines()
         table.write_text(__import__("json").dumps(dict.fromkeys(prompts, tiny["references"])))  # the JSON the recipe reads
         frames += [f"train.adversarial.backbone={tiny['model']}", f"train.adversarial.references={table}"]
+    if data.get("trainer") == "smopd":  # one step per teacher
+        frames += ["train.teacher_steps=1"]
     if family == "ltx2":  # 5 frames; LTX2Pipeline needs multiples of 32; 16 text tokens (2 x the connectors' registers)
         frames += ["sampler.num_frames=5", "model.max_sequence_length=16"]
     if family == "wan_i2v":  # its sources have 832x480's aspect ratio: the nearest tiny size, 80x48

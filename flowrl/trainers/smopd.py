@@ -129,7 +129,8 @@ def train_teachers(cfg: RunConfig, acc, folder: Path) -> dict:
             state = {name: full(p.detach()).cpu() for name, p in teacher.parts.model.adapter_parameters("default").items()}
         if acc.is_main_process:
             torch.save(state, folder / f"teacher_{index}.pt")
-        del teacher
+        del teacher, weights
+        acc.free_memory()  # accelerate holds the teacher's prepared model and optimizer until told to let go
     manifest = {"settings": settings, "seconds": time.perf_counter() - tic, "cpu_seconds": time.process_time() - cpu}
     manifest["work"] = work
     if acc.is_main_process:

@@ -41,7 +41,8 @@ def test_bench_of_two_balancers_writes_consistent_json(tmp_path):
         for reward in REWARDS:  # the change is final minus base, on the held-out split
             assert deltas[reward] == [pytest.approx(run["final"][reward] - run["base"][reward], abs=1e-5)]
         assert result["step_s"][name] > 0 and result["keeps_half"][name] == [None]  # no single run of every reward
-    assert 0 <= result["opposed_fraction"]["weighted_sum"] <= 1 and result["opposed_fraction"]["marble"] is None  # probed
+    for name in ("weighted_sum", "marble"):  # the weighted sum probed; MARBLE's refresh steps take the gradients anyway
+        assert 0 <= result["opposed_fraction"][name] <= 1
     assert list(result["runs"]) == ["single_toy_size", "weighted_sum", "marble"]  # single-reward runs first
     single = result["runs"]["single_toy_size"]["0"]
     assert single["rewards"] == ["toy_size"] and result["runs"]["weighted_sum"]["0"]["rewards"] == list(REWARDS)

@@ -13,7 +13,7 @@ steps per seed with the same loop; `single_<reward>` is the weighted-sum config 
 * the change of each reward from the base model on the held-out split (every held-out prompt x fixed seeds, ODE
   sampler), each graded by an exact gold: the attribute reward by the rule-based `toy_exact` checker (accuracy),
   the layout rewards are their own gold (rules on the pixels), the artifact judge by its own log-odds;
-* for the unit-weight weighted sum (and full MARBLE, which takes them anyway), the fraction of optimizer steps where
+* for the unit-weight weighted sum (and MARBLE, on the steps that take them anyway), the fraction of optimizer steps where
   some reward's own gradient (its per-prompt z-score advantages through the NFT loss) has a negative cosine with the
   update that was applied (`train.log_reward_gradients`);
 * the step time, less the time those probe gradients took; SMOPD's teachers are billed apart (`offline_s`).
@@ -65,7 +65,7 @@ AXES = {  # each reward's measure (its gold), as the figure labels it
     "toy_size": "mean shape area, px",
     "toy_midline": "midline rate",
 }
-PROBED = ("weighted_sum",)  # per-reward gradient cosines logged (marble_full has them by construction)
+PROBED = ("weighted_sum",)  # per-reward gradient cosines logged (MARBLE has them on its refresh / full steps)
 
 
 def heldout_rewards(model, num_seeds: int, num_steps: int, guidance_scale: float) -> dict[str, float]:

@@ -30,6 +30,7 @@ import torch
 from flowrl.config import RunConfig, build_config, to_dict
 from flowrl.losses import blended_velocity, velocity_distill_loss
 from flowrl.trainers.nft import OLD, NFTConfig, NFTTrainer
+from flowrl.training.clock import timed
 from flowrl.training.distributed import full, like, make_accelerator
 from flowrl.training.loop import metered_step, train_loop
 
@@ -113,7 +114,7 @@ def train_teachers(cfg: RunConfig, acc, folder: Path) -> dict:
                 "train.teacher_dir at a new folder"
             )
         return manifest
-    tic, cpu, work = time.perf_counter(), time.process_time(), {}
+    wall, cpu, work = timed(acc.device), time.process_time(), {}
     for index in range(len(teacher_specs(cfg))):
         teacher = NFTTrainer(teacher_config(cfg, index, folder), acc)
         try:
@@ -131,7 +132,7 @@ def train_teachers(cfg: RunConfig, acc, folder: Path) -> dict:
             torch.save(state, folder / f"teacher_{index}.pt")
         del teacher, weights
         acc.free_memory()  # accelerate holds the teacher's prepared model and optimizer until told to let go
-    manifest = {"settings": settings, "seconds": time.perf_counter() - tic, "cpu_seconds": time.process_time() - cpu}
+    manifest = {"settings": settings, "seconds": wall.seconds(), "cpu_seconds": time.process_time() - cpu}
     manifest["work"] = work
     if acc.is_main_process:
         manifest_path.write_text(json.dumps(manifest, indent=1))

@@ -149,9 +149,9 @@ def _run(name: str, stem: str, extra: list[str], seed: int, overrides: list[str]
     """One balancer x seed: base and final held-out rewards, opposed fraction, step seconds (probe time taken out)."""
     with tempfile.TemporaryDirectory() as root:
         probe = ["train.log_reward_gradients=true"] if name in PROBED else []
-        tic = time.perf_counter()
         trainer = _trainer(stem, [*extra, *probe], root, name, seed, overrides)
-        offline_s = time.perf_counter() - tic if name == "smopd" else None  # the teachers, trained at construction
+        manifest = getattr(trainer, "teacher_manifest", None)  # SMOPD's teachers, trained at construction
+        offline_s = manifest["seconds"] if manifest else None
         try:
             base = _measure(trainer, num_seeds, eval_steps, None)
             step_s, opposed = [], []

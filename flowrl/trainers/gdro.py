@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import flowrl.trainers.kit as kit
-from flowrl import sde, work
+from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
 from flowrl.losses import GDRO_MODES, dsm_loss, gdro_implicit_reward, gdro_loss
@@ -161,11 +161,7 @@ class GDROTrainer:
 
         # 4. Log (the pool's work and seconds billed once, at the first step, by one process)
         if parts.step == 0:
-            if acc.is_main_process:
-                for key, value in self.offline_work.items():
-                    phase, kind, detail = key.split("/", 3)[1:]
-                    work.METER.add(kind, detail, value, phase)
-            metrics |= {"perf/offline_s": self.pool.manifest["seconds"], "perf/offline_cpu_s": self.pool.manifest["cpu_seconds"]}
+            metrics |= kit.bill_offline(parts, self.pool.manifest)
         samples = cfg.data.num_prompts_per_step * k
         metrics |= step_metrics(started.seconds(), 0.0, 0.0, tic.seconds(), samples, 0, samples)
         parts.step += 1

@@ -192,6 +192,16 @@ def collect(parts: RecipeParts, adapter: str | None = None) -> Experience:
     )
 
 
+def bill_offline(parts: RecipeParts, manifest: dict) -> dict[str, float]:
+    """Work made before the first step (an offline pool, SMOPD's teachers), billed once: its `work/...` counts added to
+    the step's meter by one process (the step's counts are summed over processes), its seconds as metrics."""
+    if parts.accelerator.is_main_process:
+        for key, value in manifest["work"].items():
+            phase, kind, detail = key.split("/", 3)[1:]
+            work.METER.add(kind, detail, value, phase)
+    return {"perf/offline_s": manifest["seconds"], "perf/offline_cpu_s": manifest["cpu_seconds"]}
+
+
 def finish_step(parts: RecipeParts, exp: Experience, metrics: dict, optimise_s: float) -> dict[str, float]:
     """Stage 7's step metrics (the `perf/...` timings, sample counts) added to `metrics`; the step counted."""
     samples = parts.local_n * parts.accelerator.num_processes

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+import flowrl.trainers.kit as kit
 from flowrl.config import RunConfig, build_config, to_dict
 from flowrl.losses import blended_velocity, velocity_distill_loss
 from flowrl.trainers.nft import OLD, NFTConfig, NFTTrainer
@@ -190,14 +191,7 @@ class SMOPDTrainer(NFTTrainer):
         metrics = super().train_step()
         metrics["train/distill_loss"] = float(torch.stack(self.distill_losses).mean())  # before distill_coef
         if first:  # the teachers' work and seconds, billed once (flowrl plan leaves them out of the per-step price)
-            from flowrl import work
-
-            if self.parts.accelerator.is_main_process:
-                for key, value in self.offline_work.items():
-                    phase, kind, detail = key.split("/", 3)[1:]
-                    work.METER.add(kind, detail, value, phase)
-            metrics["perf/offline_s"] = self.teacher_manifest["seconds"]
-            metrics["perf/offline_cpu_s"] = self.teacher_manifest["cpu_seconds"]
+            metrics |= kit.bill_offline(self.parts, self.teacher_manifest)
         return metrics
 
     def train(self) -> dict:

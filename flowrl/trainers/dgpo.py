@@ -12,7 +12,7 @@ reference, optionally the sampling policy). Stage 6 is DGPO's, the rest the kit'
     # 6. Optimise   per inner epoch M grid times shared by every sample and process; minibatches of whole groups; per
     #               minibatch and time one ε per group, x_t = (1 − t)·x0 + t·ε, ℓ = mean((v − (ε − x0))²) of θ, the
     #               reference and ema_ref; S_g = Σ_{i∈g} A_i·β·sg(ℓ_θ − ℓ_ref)_i / G summed over every process, the loss
-    #               mean(sg(σ(S_g))·A·ℓ̃) + β_KL·mean((v_θ − v_ref)²), ℓ̃ = sg(ℓ_θ) where the clip binds; after each
+    #               mean(sg(σ(S_g))·A·ℓ̃) + β_KL·mean((v_θ − v_base)²), ℓ̃ = sg(ℓ_θ) where the clip binds; after each
     #               optimizer step θ_ema_ref ← d·θ_ema_ref + (1 − d)·θ, d = min(0.3, 0.001·optimizer steps)
 """
 
@@ -44,7 +44,8 @@ class DGPOConfig(RecipeConfig):
     """β of the DPO implicit reward: the sharpness of σ(S_g) only, not the gradient's scale (DGPO: 100; PickScore 10;
     2000 with the EMA reference)."""
     kl_coef: float = 0.02
-    """β_KL of mean((v_θ − v_ref)²), v_ref the reference's velocity; 0 keeps only the DGPO term."""
+    """β_KL of mean((v_θ − v_base)²), v_base the frozen base's velocity at ref_guidance_scale whatever the DGPO
+    reference (as DGPO's code); 0 keeps only the DGPO term."""
     use_clip: bool = True
     clip_range: float = 1e-2
     """c of the PPO-style clip on ρ = exp(ℓ_ema_ref − ℓ_θ) (DGPO `clip_dsm`); with use_clip false no ema_ref forward
@@ -57,7 +58,8 @@ class DGPOConfig(RecipeConfig):
     max_timestep_index: int = 6
     """The last grid index a training time may take (DGPO `trunc_steps`: 6 of T = 10, σ ≥ 0.666; GenEval 4)."""
     use_ema_ref: bool = False
-    """The reference is ema_ref instead of the frozen base (DGPO `use_ema_ref`, "TDM-R1 style")."""
+    """The DGPO term's reference ℓ_ref is ema_ref instead of the frozen base (DGPO `use_ema_ref`, "TDM-R1 style");
+    the KL stays anchored to the base."""
     ref_guidance_scale: float | None = None
     """Guidance of the frozen reference's velocity (DGPO `kl_cfg`; 4.5 with CFG-free rollouts); None: the policy's."""
     ema_ref_decay: float = 0.3
@@ -120,6 +122,7 @@ class DGPOTrainer:
                 "score needs whole groups in a minibatch; set it to 1 or a divisor of the groups each process holds"
             )
         self.ema_ref_params = parts.model.adapter_parameters(EMA_REF)
+        self.base_used = not t.use_ema_ref or t.kl_coef > 0  # the frozen base: the DGPO reference, the KL anchor or both
         rollout = kit.sampler_guidance(parts)
         self.guidance = 1.0 if parts.model.uses_cfg(rollout) else rollout  # the policy trains CFG-free
         self.ref_guidance = self.guidance if t.ref_guidance_scale is None else t.ref_guidance_scale
@@ -134,7 +137,7 @@ class DGPOTrainer:
         sigmas, cond = exp.rollout.sigmas.to(device), exp.rollout.cond  # [T+1]; rows [N]
         exp.rollout = None  # the endpoints are all DGPO keeps
         ref_cond = cond
-        if not t.use_ema_ref and parts.model.uses_cfg(self.ref_guidance) and not parts.model.uses_cfg(self.guidance):
+        if self.base_used and parts.model.uses_cfg(self.ref_guidance) and not parts.model.uses_cfg(self.guidance):
             with torch.no_grad():  # CFG-free rollouts, a CFG reference: the negative prompt's embeddings too
                 ref_cond = parts.model.encode(exp.batch.prompts, guidance_scale=self.ref_guidance)
 
@@ -185,12 +188,13 @@ class DGPOTrainer:
                 x_t = sde.forward_noise(x0[index], noise, sigma)
                 v = model.velocity(x_t, sigma, sub_cond, self.guidance)
                 v_old = self._velocity(x_t, sigma, sub_cond, EMA_REF, self.guidance) if use_old else None
-                v_ref = v_old if t.use_ema_ref else self._velocity(x_t, sigma, sub_ref, None, self.ref_guidance)
+                v_base = self._velocity(x_t, sigma, sub_ref, None, self.ref_guidance) if self.base_used else None
+                v_ref = v_old if t.use_ema_ref else v_base  # the DGPO term's reference
                 ell, ell_ref = dsm_loss(v, x0[index], noise), dsm_loss(v_ref, x0[index], noise)
                 ell_old = dsm_loss(v_old, x0[index], noise) if t.use_clip else None
                 args = (adv_b, ids, t.beta_dpo, g, t.clip_range, gather)
                 per_sample, s = dgpo_loss(ell, ell_ref, ell_old, *args)  # [b] float64
-                kl = velocity_kl(v, v_ref) if t.kl_coef > 0 else None  # [b]
+                kl = velocity_kl(v, v_base) if t.kl_coef > 0 else None  # [b]: always to the frozen base
                 per_item = per_sample.float() + (t.kl_coef * kl if kl is not None else 0.0)
                 parts.opt.backward((per_item * keep_b).sum() / norm, boundary=j == k - 1 and mb.closes_step)
                 steps.losses.append(per_item.detach().mean())

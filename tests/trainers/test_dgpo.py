@@ -173,3 +173,126 @@ def test_bad_settings_are_one_line_errors(tmp_path):
         build_trainer(dgpo_config(tmp_path, **{"balancer": {"name": "marble"}}))
     with pytest.raises(ValueError, match=r"max_timestep_index=-1, .* must all be >= 0"):
         build_trainer(dgpo_config(tmp_path, **{"train.max_timestep_index": -1}))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the recipe's own step: each loss term's gradient against a float64 formula written here
+
+
+def step_gradients(tmp_path, monkeypatch, state, **overrides):
+    """Run one train_step from adapter state `state` (θ, ema_ref: three different models with the base) and return
+    the trained tensors' gradients at the optimizer step (no clipping), with what the formula needs: the rollout's
+    endpoints x0 [N, ...] and advantages [N], and the policy's forward inputs (x_t, σ, cond, guidance) per time."""
+    import flowrl.trainers.dgpo as dgpo_module
+    import flowrl.trainers.kit as kit
+
+    cfg = dgpo_config(tmp_path, **{"data.num_prompts_per_step": 2, "data.group_size": 2, "train.use_clip": False}, **overrides)
+    cfg.train.max_grad_norm = 0.0  # measure the gradient, do not clip it
+    trainer = build_trainer(cfg)
+    model, seen = trainer.parts.model, {"calls": []}
+    for name in ("default", "ema_ref"):
+        with torch.no_grad():
+            for key, p in model.adapter_parameters(name).items():
+                p.copy_(state[name][key.replace(f".{name}.", ".")])
+    collect, velocity, optimizer = kit.collect, model.velocity, trainer.parts.opt.optimizer
+
+    def recording_collect(parts, **kwargs):
+        exp = collect(parts, **kwargs)
+        seen["x0"], seen["adv"] = exp.rollout.final_latents().clone(), exp.advantages.clone()
+        return exp
+
+    def recording_velocity(x_t, sigma, cond, guidance_scale):
+        if torch.is_grad_enabled():  # the policy's forward (the references run without gradient)
+            seen["calls"].append((x_t.detach().clone(), sigma.clone(), cond, guidance_scale))
+        return velocity(x_t, sigma, cond, guidance_scale)
+
+    def recording_step(*args, **kwargs):
+        seen["grads"] = [p.grad.detach().clone() for p in trainer.parts.opt.params]
+        return type(optimizer).step(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(kit, "collect", recording_collect)
+    monkeypatch.setattr(dgpo_module, "group_order", lambda ids, b, gen: torch.arange(len(ids)))  # rows as rolled out
+    monkeypatch.setattr(model, "velocity", recording_velocity)
+    monkeypatch.setattr(optimizer, "step", recording_step)
+    trainer.train_step()
+    monkeypatch.undo()
+    for name in ("default", "ema_ref"):  # back to the state the step started from, for the formula
+        with torch.no_grad():
+            for key, p in model.adapter_parameters(name).items():
+                p.copy_(state[name][key.replace(f".{name}.", ".")])
+    return trainer, seen
+
+
+def formula_gradients(trainer, seen, term: str) -> list[torch.Tensor]:
+    """∇ of DGPO's term `term` ("policy": mean_i σ(S_g)·A_i·ℓ_θ,i with S_g = Σ_{j∈g} A_j·β·sg(ℓ_θ − ℓ_ref)_j / G; "kl":
+    mean_i mean((v_θ − v_base)²)), in float64 from the model's velocities: ℓ_ref of the frozen base (adapters off), or
+    of ema_ref with use_ema_ref; the KL always to the base. Averaged over the step's training times."""
+    t, model, params = trainer.parts.cfg.train, trainer.parts.model, trainer.parts.opt.params
+    x0, adv = seen["x0"].double(), seen["adv"].double().clamp(-t.adv_clip_max, t.adv_clip_max)  # [N, ...], [N]
+    groups, g = [[0, 1], [2, 3]], trainer.parts.cfg.data.group_size  # the rows of each prompt group, as rolled out
+    total = 0.0
+    for x_t, sigma, cond, guidance in seen["calls"]:
+        s = sigma.double().view(-1, *[1] * (x0.ndim - 1))
+        eps = (x_t.double() - (1 - s) * x0) / s  # the forward process x_t = (1 − σ)·x0 + σ·ε, inverted
+        for rows in groups:  # DGPO shares one ε in a group
+            assert torch.allclose(eps[rows[0]], eps[rows[1]], atol=1e-4)
+        v = model.velocity(x_t, sigma, cond, guidance).double()
+        with torch.no_grad(), model.adapter_disabled():
+            v_base = model.velocity(x_t, sigma, cond, guidance).double()
+        with torch.no_grad(), model.using_adapter("ema_ref"):
+            v_ema = model.velocity(x_t, sigma, cond, guidance).double()
+        v_ref = v_ema if t.use_ema_ref else v_base
+        dims = tuple(range(1, x0.ndim))
+        ell, ell_ref = ((v - (eps - x0)) ** 2).mean(dims), ((v_ref - (eps - x0)) ** 2).mean(dims)
+        if term == "policy":
+            delta = (ell - ell_ref).detach()
+            score = torch.zeros_like(delta)
+            for rows in groups:
+                score[rows] = sum(adv[j] * t.beta_dpo * delta[j] / g for j in rows)
+            total = total + (torch.sigmoid(score) * adv * ell).mean()
+        else:
+            total = total + ((v - v_base) ** 2).mean(dims).mean()
+    grads = torch.autograd.grad(total / len(seen["calls"]), params, allow_unused=True)
+    return [torch.zeros_like(p) if d is None else d.float() for p, d in zip(params, grads)]
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([x.flatten() for x in tensors])
+
+
+@pytest.mark.parametrize("use_ema_ref", [False, True])
+def test_each_term_of_a_step_has_the_formulas_gradient(tmp_path, monkeypatch, use_ema_ref):
+    """θ, ema_ref and the base all differ. Without KL the step's gradient is the DGPO term's, with ℓ_ref of the
+    base or of ema_ref; the difference a KL coefficient makes is that coefficient times ∇ of the KL to the base —
+    never to ema_ref (DGPO's code: `kl_loss = (model_v - ref_old_v)²`, ref_old_v the adapters-off model)."""
+    probe = build_trainer(dgpo_config(tmp_path / "probe"))
+    gen, state = torch.Generator().manual_seed(11), {}
+    for name in ("default", "ema_ref"):
+        params = probe.parts.model.adapter_parameters(name)
+        state[name] = {k.replace(f".{name}.", "."): 0.3 * torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    kl_coef, ema = 0.5, {"train.use_ema_ref": use_ema_ref}
+    plain, seen = step_gradients(tmp_path / "plain", monkeypatch, state, **ema, **{"train.kl_coef": 0.0})
+    with_kl, seen_kl = step_gradients(tmp_path / "kl", monkeypatch, state, **ema, **{"train.kl_coef": kl_coef})
+    assert torch.equal(seen["x0"], seen_kl["x0"]) and len(seen["calls"]) == 1  # the same rollout, one training time
+
+    policy, kl = flat(formula_gradients(plain, seen, "policy")), flat(formula_gradients(plain, seen, "kl"))
+    measured_policy, measured_kl = flat(seen["grads"]), (flat(seen_kl["grads"]) - flat(seen["grads"])) / kl_coef
+    # float32 velocities and a float32 KL against the float64 formula: agreement to ~1e-6 of the norm; 1e-4 leaves room
+    # for the summation order, while a flipped sign, a lost factor or another reference moves it by O(1)
+    assert (measured_policy - policy).norm() <= 1e-4 * policy.norm(), (measured_policy - policy).norm() / policy.norm()
+    assert (measured_kl - kl).norm() <= 1e-3 * kl.norm(), (measured_kl - kl).norm() / kl.norm()
+    assert policy.norm() > 0 and kl.norm() > 0.1 * policy.norm()  # each term moves the step measurably
+    v_ema_kl = step_kl_to_ema(plain, seen)  # the KL to ema_ref instead, which the step must not take
+    assert (measured_kl - v_ema_kl).norm() > 0.1 * kl.norm()
+
+
+def step_kl_to_ema(trainer, seen) -> torch.Tensor:
+    """∇ mean((v_θ − v_ema_ref)²): the anchor DGPO's KL must not have (the test's check that the two differ here)."""
+    model, params, total = trainer.parts.model, trainer.parts.opt.params, 0.0
+    for x_t, sigma, cond, guidance in seen["calls"]:
+        v = model.velocity(x_t, sigma, cond, guidance).double()
+        with torch.no_grad(), model.using_adapter("ema_ref"):
+            v_ema = model.velocity(x_t, sigma, cond, guidance).double()
+        total = total + ((v - v_ema) ** 2).mean(tuple(range(1, v.ndim))).mean()
+    grads = torch.autograd.grad(total / len(seen["calls"]), params, allow_unused=True)
+    return flat([torch.zeros_like(p) if d is None else d.float() for p, d in zip(params, grads)])

@@ -153,6 +153,13 @@ def _add_serve_reward(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-size", type=int, default=16, help="images per forward, gathered across requests (ray)")
     p.add_argument("--batch-wait-ms", type=float, default=10.0, help="longest wait for a batch to fill (ray)")
     p.add_argument("--max-body-mb", type=float, default=256.0, help="a request body over this is answered 413 unread")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request's header, and then its body, may take to arrive (else 408; an idle connection is closed)",
+    )
+    p.add_argument("--max-connections", type=int, default=128, help="connections served at once, a thread each; more get 503")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
@@ -175,13 +182,14 @@ def _run_serve_reward(args: argparse.Namespace) -> int:
 
     import torch
 
-    from flowrl.rewards._server import LOOPBACK, LocalBackend, make_server
+    from flowrl.rewards._server import LOOPBACK, LocalBackend, check_limits, make_server
 
     names = list(dict.fromkeys(([args.name] if args.name else []) + args.reward))
     if not names:
         raise ValueError("serve-reward: name a reward, e.g. `flowrl serve-reward pickscore` (more with --reward NAME)")
     if args.host not in LOOPBACK and not args.token:
         raise ValueError(f"--host {args.host} is reachable from other machines; pass --token TOKEN (or bind to 127.0.0.1)")
+    check_limits(args.request_timeout, args.max_connections)  # before any reward or replica is built
     settings = _serve_settings(names, args.set)
     if args.engine == "local":
         backend = LocalBackend({n: _build_reward(n, None, args.device, args.dtype, settings[n]) for n in names})
@@ -206,7 +214,8 @@ def _run_serve_reward(args: argparse.Namespace) -> int:
             print(f"flowrl serve-reward: error: {err}", file=sys.stderr)
             return 1
     try:
-        server = make_server(backend, args.host, args.port, args.token, max_body_bytes=int(args.max_body_mb * 2**20))
+        limits = {"request_timeout": args.request_timeout, "max_connections": args.max_connections}
+        server = make_server(backend, args.host, args.port, args.token, max_body_bytes=int(args.max_body_mb * 2**20), **limits)
     except BaseException:
         backend.close()
         raise

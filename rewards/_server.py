@@ -13,12 +13,22 @@ Protocol (HTTP/1.1; every request carries `Authorization: Bearer TOKEN` when the
                Content-Type: application/json (older clients, `encoding=png`):
                {"prompts": [N], "metadata": [N], "images": [N base64 PNG]} or {..., "videos": [N lists of base64 PNG]}
                Optional `X-Request-Id`: a retry with the same id is answered from the first computation (waiting for it
-               while it runs), never scored twice; the same id with a different body is a 409.
+               while it runs, at most the request timeout), never scored twice; the same id with a different body is a
+               409.
             -> 200 {"scores": [N float or null (= NaN, not applicable)], "parts": {name: [N]}}
                (Ray Serve: also "batch_images", the most images one forward held with this request's samples)
-  Errors, each {"error": one line naming the reward and the cause}: 401 wrong or missing token and 404 unknown path or
-  reward, 411 no Content-Length and 413 a body over the limit (each answered before the body is read, the connection
-  then closed), 400 a malformed batch, 409 a reused request id, 500 the reward failed, 503 a replica died (retry).
+  Errors, each {"error": one line naming the reward and the cause}:
+    answered before the body is read, the connection then closed: 401 wrong or missing token, 404 unknown path or
+      reward, 411 no Content-Length, 400 a Content-Length that is not ASCII digits, 413 a body over the limit;
+    answered instead of scoring, the connection then closed: 408 the body did not arrive within the request timeout,
+      400 the body ended early (the client closed its side); neither is decoded;
+    400 a malformed batch, 409 a reused request id, 500 the reward failed, 504 no answer from a replica (Ray Serve);
+    503, retried by `remote`: a replica died, the connection limit is reached, or a retried request id's first
+      computation still runs after the request timeout (retry with the same id: it is answered from that computation).
+Limits (`flowrl serve-reward --request-timeout S --max-connections C`): a request's header and then its body must each
+  arrive within S seconds, trickled or not; a connection that sends no request within S seconds (idle, or between
+  keep-alive requests) is closed unanswered. At most C connections are served at once, a thread each; one more is
+  answered 503 at once, without a thread, and closed when the client closes it (or after S seconds).
 """
 
 from __future__ import annotations
@@ -26,8 +36,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import io
 import json
+import socket
+import sys
 import threading
+import time
 import zlib
 from collections import Counter, OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,6 +56,8 @@ from flowrl.reward_contract import nan_to_none, score_checked
 SAFETENSORS = "application/x-safetensors"
 MAX_BODY_BYTES = 256 * 2**20  # a body (as sent) over this is answered 413 unread
 MAX_DECODED_BYTES = 1024 * 2**20  # a deflate body that inflates past this is answered 413
+REQUEST_TIMEOUT_S = 30.0  # the longest a request's header, and then its body, may take to arrive
+MAX_CONNECTIONS = 128  # connections served at once (a thread each); one more is answered 503
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -213,15 +229,15 @@ class _Entry:
 
 
 class Results:
-    """Answers by request id: the first request with an id computes, a retry with it waits for that computation and
-    gets its answer. Answers of 5xx are not kept (a retry after a failure computes again); the oldest finished entries
-    beyond `size` are forgotten."""
+    """Answers by request id: the first request with an id computes, a retry with it waits for that computation (at
+    most `wait_s`: then a 503 the client retries) and gets its answer. Answers of 5xx are not kept (a retry after a
+    failure computes again); the oldest finished entries beyond `size` are forgotten."""
 
-    def __init__(self, size: int = 4096):
-        self.size, self.lock, self.entries = size, threading.Lock(), OrderedDict()
+    def __init__(self, size: int = 4096, wait_s: float = REQUEST_TIMEOUT_S):
+        self.size, self.wait_s, self.lock, self.entries = size, wait_s, threading.Lock(), OrderedDict()
 
-    def run(self, key: str, digest: str, compute) -> tuple[Answer, bool]:
-        """(answer, reused): compute() once per key."""
+    def run(self, key: tuple[str, str], digest: str, compute) -> tuple[Answer, bool]:
+        """(answer, reused): compute() once per key (reward, request id)."""
         with self.lock:
             entry = self.entries.get(key)
             owner = entry is None
@@ -230,9 +246,11 @@ class Results:
                 while len(self.entries) > self.size and next(iter(self.entries.values())).done.is_set():
                     self.entries.popitem(last=False)
         if not owner:
+            named = f"reward {key[0]}: request id {key[1]!r}"
             if entry.digest != digest:
-                return (409, {"error": f"request id {key!r} was used for a different body; send a fresh id per batch"}), False
-            entry.done.wait()
+                return (409, {"error": f"{named} was used for a different body; send a fresh id per batch"}), False
+            if not entry.done.wait(self.wait_s):
+                return (503, {"error": f"{named} is still being scored after {self.wait_s:g}s; retry with the same id"}), False
             return entry.answer, True
         try:
             entry.answer = compute()
@@ -262,18 +280,108 @@ class Stats(Counter):
             return dict(self)
 
 
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads bounded by a deadline (time.monotonic()): each recv waits at most until then, so a header or a
+    body trickled a byte at a time still ends on time, in TimeoutError. Between reads the socket keeps `timeout`."""
+
+    def __init__(self, sock: socket.socket, timeout: float):
+        self.sock, self.timeout, self.deadline = sock, timeout, time.monotonic() + timeout
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"nothing more arrived within {self.timeout:g}s")
+        self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(buffer)
+        finally:
+            self.sock.settimeout(self.timeout)
+
+
 class RewardServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer with the backend it fronts; server_close() closes the backend too."""
+    """A ThreadingHTTPServer with the backend it fronts, serving at most `max_connections` connections at once, a
+    thread each. One more is answered 503 from the accepting thread, which then keeps it open, without a thread, until
+    the client closes it or `linger_s` passes: closing a socket before the client's request arrived would reset the
+    connection, and the client could lose the answer. server_close() closes the backend too."""
 
     daemon_threads = True
+    request_queue_size = socket.SOMAXCONN  # connections not yet accepted (socketserver's 5 drops a burst's SYNs)
 
-    def __init__(self, address, handler, backend: Backend):
-        self.backend, self.stats = backend, Stats()
+    def __init__(
+        self, address, handler, backend: Backend, max_connections: int = MAX_CONNECTIONS, linger_s: float = REQUEST_TIMEOUT_S
+    ):
+        self.backend, self.stats, self.max_connections, self.linger_s = backend, Stats(), max_connections, linger_s
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.lingering: list[tuple[socket.socket, float]] = []  # refused connections, each with its closing time
         super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.stats.count("refused")
+            return self._refuse(request)
+        try:
+            super().process_request(request, client_address)  # a thread for this connection
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        error = f"the server is serving {self.max_connections} connections, its limit (--max-connections); retry later"
+        data = json.dumps({"error": error}).encode()
+        head = f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+        try:
+            request.setblocking(False)  # the accepting thread never waits on a client
+            request.sendall(head.encode() + b"Connection: close\r\n\r\n" + data)
+            request.shutdown(socket.SHUT_WR)
+        except OSError:  # the client left already
+            return self.shutdown_request(request)
+        if len(self.lingering) >= self.max_connections:  # a flood: the oldest refused connection goes first
+            self.shutdown_request(self.lingering.pop(0)[0])
+        self.lingering.append((request, time.monotonic() + self.linger_s))
+
+    def service_actions(self) -> None:
+        """Run by serve_forever after each accepted connection and every poll interval: each refused connection's
+        unread bytes are read (64 KiB at a time), and it is closed once the client closed it or its time is up."""
+        now, keep = time.monotonic(), []
+        for sock, until in self.lingering:
+            try:
+                open_ = bool(sock.recv(65536))  # b"": the client closed its side
+            except BlockingIOError:
+                open_ = True
+            except OSError:
+                open_ = False
+            if open_ and now < until:
+                keep.append((sock, until))
+            else:
+                self.shutdown_request(sock)
+        self.lingering = keep
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):  # a client that went away or timed out: nothing to report
+            super().handle_error(request, client_address)
 
     def server_close(self) -> None:
         super().server_close()
+        for sock, _ in self.lingering:
+            self.shutdown_request(sock)
         self.backend.close()
+
+
+def check_limits(request_timeout: float, max_connections: int) -> None:
+    """ValueError naming the flag when a limit is unusable."""
+    if not request_timeout > 0:
+        raise ValueError(f"--request-timeout {request_timeout}: use a number of seconds > 0, e.g. 30")
+    if int(max_connections) < 1:
+        raise ValueError(f"--max-connections {max_connections}: use 1 or more, e.g. 128")
 
 
 def make_server(
@@ -283,23 +391,42 @@ def make_server(
     token: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     cache_size: int = 4096,
+    request_timeout: float = REQUEST_TIMEOUT_S,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> RewardServer:
     """A server (not yet serving) for `target`: a Backend, or one reward object (scored in this process). Port 0 picks
-    a free port (see server.server_address). A host other than loopback needs a token."""
+    a free port (see server.server_address). A host other than loopback needs a token. A request's header and its body
+    must each arrive within `request_timeout` seconds; at most `max_connections` connections are served at once."""
     if host not in LOOPBACK and not token:
         raise ValueError(f"host {host!r} is reachable from other machines; pass a token (--token) or bind to 127.0.0.1")
+    check_limits(request_timeout, max_connections)
     backend = target if hasattr(target, "score") and hasattr(target, "names") else None
     if backend is None:
         backend = LocalBackend({getattr(target, "registry_name", type(target).__name__): target})
     expected = f"Bearer {token}".encode() if token else None
-    results = Results(cache_size)
+    results = Results(cache_size, request_timeout)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True  # TCP_NODELAY: headers and body leave at once, no delayed-ACK stall
+        timeout = request_timeout  # each write, and each read between deadlines
+
+        def setup(self) -> None:
+            super().setup()
+            self.rfile.close()  # the reads go through the deadline instead
+            self.reader = _DeadlineReader(self.connection, request_timeout)
+            self.rfile = io.BufferedReader(self.reader)
+
+        def handle_one_request(self) -> None:
+            self.reader.deadline = time.monotonic() + request_timeout  # for the request line and the headers
+            super().handle_one_request()  # a TimeoutError there closes the connection unanswered
 
         def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per request is noise here
             pass
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """http.server's own errors (a malformed request line, an unsupported method) in the protocol's JSON."""
+            self._send(code, {"error": _line(message or self.responses.get(code, ("error",))[0])}, True)
 
         def _send(self, status: int, payload: dict[str, Any], unread: bool = False) -> None:
             data = json.dumps(payload).encode()
@@ -350,20 +477,41 @@ def make_server(
             self._send(404, {"error": error}, True)
             return None
 
+        def _body(self, name: str, length: int) -> bytes | None:
+            """The body, read within the request timeout; None when it was answered instead (408 late, 400 cut short:
+            never decoded) and the connection closed."""
+            self.reader.deadline = time.monotonic() + request_timeout
+            try:
+                raw = self.rfile.read(length)
+            except TimeoutError:
+                self.server.stats.count("timed_out")
+                error = f"reward {name}: the body did not arrive within {request_timeout:g}s (--request-timeout)"
+                return self._send(408, {"error": f"{error}; send all {length} bytes the Content-Length declares"}, True)
+            if len(raw) < length:
+                self.server.stats.count("truncated")
+                error = f"reward {name}: the body ended after {len(raw)} of its {length} bytes (Content-Length); send it whole"
+                return self._send(400, {"error": error}, True)
+            return raw
+
         def do_POST(self) -> None:
             if not self._authorized():
                 return
             name = self._reward()
             if name is None:
                 return
-            length = self.headers.get("Content-Length", "")
-            if not length.isdigit():
-                return self._send(411, {"error": "send the body with a Content-Length header"}, True)
+            length = self.headers.get("Content-Length")
+            if length is None:
+                return self._send(411, {"error": f"reward {name}: send the body with a Content-Length header"}, True)
+            if not (length.strip().isascii() and length.strip().isdigit()):  # '²'.isdigit(), yet int('²') fails
+                error = f"reward {name}: header Content-Length {length!r} is not a byte count; send ASCII digits"
+                return self._send(400, {"error": _line(error)}, True)
             if int(length) > max_body_bytes:
                 self.server.stats.count("too_large")
                 error = f"reward {name}: the body ({length} bytes) is over the limit of {max_body_bytes}; send smaller batches"
                 return self._send(413, {"error": error}, True)
-            raw = self.rfile.read(int(length))
+            raw = self._body(name, int(length))
+            if raw is None:
+                return
             kind, encoding = self.headers.get("Content-Type", SAFETENSORS), self.headers.get("Content-Encoding", "")
             request_id = self.headers.get("X-Request-Id", "")
 
@@ -377,7 +525,7 @@ def make_server(
 
             if request_id:
                 digest = hashlib.sha256(b"%s\0%s\0%s\0" % (kind.encode(), encoding.encode(), raw)).hexdigest()
-                (status, payload), reused = results.run(f"{name}\0{request_id}", digest, compute)
+                (status, payload), reused = results.run((name, request_id), digest, compute)
                 if reused:
                     self.server.stats.count("deduplicated")
             else:
@@ -385,4 +533,4 @@ def make_server(
             self.server.stats.count(f"status_{status}")
             self._send(status, payload)
 
-    return RewardServer((host, port), Handler, backend)
+    return RewardServer((host, port), Handler, backend, int(max_connections), request_timeout)

@@ -543,7 +543,6 @@ PUBLISHED = {
         },
     ),
 }
-UNEXPLAINED = ("BranchGRPO-Mix 13.68/4.25",)  # an NFE count explains ~3.3x of its 4.72x
 CALIBRATION_SIZE = ("flux.1-dev", 720, 720, None, 512, ("hpsv2",))  # the papers' setting: FLUX.1-dev at 720 px, HPSv2
 
 

@@ -230,3 +230,112 @@ def install_factories(device, tmp: Path):
             CLIPModel.from_pretrained = originals[1]
 
     return restore
+
+
+# ------------------------------------------------------------------------------------------------ reward models
+# Qwen/Qwen2-VL-7B-Instruct's config.json (HPSv3's base), the published sizes in its flat layout
+QWEN2_VL_7B = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 32768,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vocab_size": 152064,
+    "max_window_layers": 28,
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                      "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+                      "temporal_patch_size": 2},
+}  # fmt: skip
+OPEN_CLIP_ARCH = "ViT-H-14"  # HPSv2's backbone (open_clip's own config ships with the package)
+
+
+def _hpsv2_checkpoint(path: Path, device) -> None:
+    """HPSv2's release layout ({"state_dict": ...}) with random ViT-H-14 weights, built on `device` in float16."""
+    import open_clip
+
+    with seeded(device), building(device, torch.float16):
+        model = open_clip.create_model(OPEN_CLIP_ARCH, pretrained=None, device=device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": {k: v.half().cpu() for k, v in model.state_dict().items()}}, path)
+
+
+def _hpsv3_folder(folder: Path) -> dict:
+    """rewards/_tiny.py's HPSv3 folder (a byte-level tokenizer: a prompt's text takes more tokens than the release's
+    BPE) with the config rewritten to Qwen2-VL-7B's sizes."""
+    from rewards._tiny import tiny_hpsv3
+
+    kwargs = tiny_hpsv3(folder, pixels=256 * 28 * 28)
+    config_file = Path(kwargs["model_name"]) / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update({k: v for k, v in QWEN2_VL_7B.items() if k != "vision_config"})
+    config["vision_config"] = {**config["vision_config"], **QWEN2_VL_7B["vision_config"]}
+    config_file.write_text(json.dumps(config, indent=2))
+    return kwargs
+
+
+def _hpsv3_state(model_name: str, device) -> dict[str, torch.Tensor]:
+    """HPSv3.safetensors' keys (transformers 4.45 names, the ranknet head) at the config's size, random on `device`:
+    norm weights 1, the rest Gaussian at 1/sqrt(fan-in), bfloat16 (the head float32, on the CPU)."""
+    import math
+
+    from transformers import AutoConfig, Qwen2VLForConditionalGeneration
+
+    config = AutoConfig.from_pretrained(model_name)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Qwen2VLForConditionalGeneration(config).state_dict().items()}
+    state = {}
+    with seeded(device):
+        for key, shape in shapes.items():
+            old = key.replace("model.visual.", "visual.", 1).replace("model.language_model.", "model.", 1)
+            if len(shape) == 1:
+                value = torch.ones(shape, device=device, dtype=torch.bfloat16) * float(key.endswith(".weight"))
+            else:
+                scale = 1 if "embed_tokens" in key else math.prod(shape[1:]) ** -0.5
+                value = torch.randn(shape, device=device, dtype=torch.bfloat16) * scale
+            state[old] = value
+        widths = (config.text_config.hidden_size, 1024, 16, 2)  # the head is copied into its module: on the CPU
+        for index, d_in, d_out in zip((0, 3, 5), widths[:-1], widths[1:]):
+            state[f"rm_head.{index}.weight"] = torch.randn(d_out, d_in) * d_in**-0.5
+            state[f"rm_head.{index}.bias"] = torch.zeros(d_out)
+    return state
+
+
+@contextlib.contextmanager
+def reward_weights(name: str, folder: Path, device, tiny: bool):
+    """The kwargs that build reward `name` with random weights: rewards/_tiny.py's at tiny size; else the real
+    architecture: PickScore's CLIP ViT-H-14 (install_factories builds it), HPSv2's open_clip ViT-H-14 checkpoint,
+    ImageReward's BLIP ViT-L + BERT-base files (bfloat16), and HPSv3's Qwen2-VL-7B, whose 16 GB checkpoint is not
+    written: while the block runs, reading the folder's checkpoint returns random tensors made on `device`."""
+    from rewards._tiny import BERT_BASE, BLIP_LARGE, TINY_REWARDS, make_imagereward_files
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if tiny:
+        yield TINY_REWARDS[name](folder)
+        return
+    if name == "pickscore":
+        real_clip_folder(folder)
+        yield {"model_name": str(folder), "processor_name": str(folder)}
+    elif name == "hpsv2":
+        _hpsv2_checkpoint(folder / "HPS_v2.1_compressed.pt", device)
+        yield {"model_name": OPEN_CLIP_ARCH, "checkpoint": str(folder / "HPS_v2.1_compressed.pt")}
+    elif name == "imagereward":
+        words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(30517)]
+        yield make_imagereward_files(folder, BLIP_LARGE, BERT_BASE, words, dtype=torch.bfloat16)
+    elif name == "hpsv3":
+        import flowrl.rewards._hpsv3_format as fmt  # the module the registered reward reads through
+
+        kwargs = _hpsv3_folder(folder)
+        original = fmt.read_checkpoint
+
+        def read_checkpoint(path: str):
+            return _hpsv3_state(kwargs["model_name"], device) if path == kwargs["checkpoint"] else original(path)
+
+        fmt.read_checkpoint = read_checkpoint
+        try:
+            yield {**kwargs, "dtype": torch.bfloat16}  # a 7B reward runs in bfloat16 (float32: 33 GB)
+        finally:
+            fmt.read_checkpoint = original
+    else:
+        raise ValueError(f"reward {name!r} has no real-size build here; choose pickscore, hpsv2, imagereward or hpsv3")

@@ -151,8 +151,11 @@ def test_past_the_connection_limit_a_client_gets_503_without_a_thread():
             status, payload, head = _answer(sock)
         assert status == 503 and b"Connection: close" in head
         assert "serving 2 connections, its limit (--max-connections)" in payload["error"]
-        # http.client sends its request and a body before reading: still answered (the refused socket is not reset)
+        # a client that sends its request and a body after the refusal, then reads: still answered (closing the
+        # refused socket before its bytes arrived would reset the connection and lose the answer)
         client = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+        client.connect()
+        _poll(lambda: server.stats["refused"] == 2, "the second refusal")
         client.request("POST", "/score", body=b"x" * 100_000, headers={"Content-Type": "application/x-safetensors"})
         response = client.getresponse()
         assert response.status == 503 and "retry later" in json.loads(response.read())["error"]

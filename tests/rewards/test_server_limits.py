@@ -263,3 +263,17 @@ def test_serve_reward_flags_set_the_limits():
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("request_line", "status", "error"),
+    [
+        (b"PUT /score HTTP/1.1", 501, "Unsupported method ('PUT')"),
+        (b"GET /a b HTTP/1.1", 400, "Bad request syntax ('GET /a b HTTP/1.1')"),
+    ],
+)
+def test_http_servers_own_errors_are_json_lines_too(request_line, status, error):
+    with _serving() as server, _connect(server) as sock:
+        sock.sendall(request_line + b"\r\nHost: 127.0.0.1\r\n\r\n")
+        got, payload, head = _answer(sock)
+        assert (got, payload) == (status, {"error": error}) and b"application/json" in head

@@ -34,6 +34,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights only: nothing may download
+# transformers' hub kernels (on by default in recent 5.x) download, and need the `kernels` package the image lacks
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
 # cuBLAS's deterministic mode (the resume pair) is chosen when CUDA starts
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 

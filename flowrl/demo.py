@@ -12,9 +12,13 @@ prompt x `SUMMARY_SEEDS` fixed seeds, ODE):
   and `artifact` (the mean `toy_artifact` reward).
 
 The report pairs `toy_exact` (a gold reward of the config's eval) with `toy_attributes`, so its hacking panel
-flags a gap between the two on the eval's samples (a paired bootstrap, `flowrl.report.hacking`); `summary.json`
-says whether it did (`hacking_flagged`, `hacking_flags`) and which tests came close (`hacking_near`).
-`summary_text` is what `flowrl demo` prints at the end: a before/after table, the panel's verdict and the paths.
+flags a gap between the two on the eval's samples (a paired bootstrap, `flowrl.report.hacking`). summary.json also
+keeps, per held-out sample, whether the judge and `toy_exact` read its count, colour and shape as the prompt says
+and whether its count is impossible (`heldout_reads`); the panel tests those too (`flowrl.report.heldout`): per
+attribute, the judge's change against the checker's, and the rise of impossible counts. `summary.json` says whether
+anything was flagged (`hacking_flagged`, `hacking_flags`), which tests came close (`hacking_near`) and the held-out
+tests' numbers (`hacking_heldout`). `summary_text` is what `flowrl demo` prints at the end: a before/after table, the
+panel's verdict with its held-out tests, and the paths.
 """
 
 from __future__ import annotations
@@ -37,11 +41,14 @@ def heldout_scores(model, num_seeds: int, num_steps: int, guidance_scale: float,
     """Exact and judge accuracy, impossible-count and mixed-colour rates, the mean artifact reward and the diversity
     (per prompt the mean pairwise RMS pixel distance of its seeds' images, `flowrl.training.evaluation`'s pixel space, averaged
     over prompts; None for one seed) over every held-out prompt x `num_seeds` fixed seeds (the judge:
-    `judge_checkpoint`, default the shipped one). A model conditioned on a source image (the toy image-to-video
-    model) samples each prompt from its toy source image (flowrl/toy/sources.py)."""
-    from flowrl.bench.accuracy import exact_accuracy, judge_accuracy, sample_images
+    `judge_checkpoint`, default the shipped one), and "reads": per sample, whether the judge and the exact checker
+    read its count, colour and shape as the prompt's and whether the checker finds an impossible count (strings of
+    0s and 1s, `flowrl.report.heldout`). A model conditioned on a source image (the toy image-to-video model) samples
+    each prompt from its toy source image (flowrl/toy/sources.py)."""
+    from flowrl.bench.accuracy import HEADS, exact_accuracy, judge_accuracy, sample_images
     from flowrl.models.conditioning import conditioning_kind
     from flowrl.registry import REWARDS
+    from flowrl.report.heldout import IMPOSSIBLE
     from flowrl.seeds import heldout_seeds
     from flowrl.toy.judges import load_judge
     from flowrl.toy.world import split_prompts
@@ -56,8 +63,10 @@ def heldout_scores(model, num_seeds: int, num_steps: int, guidance_scale: float,
 
         metadata = source_records(prompts)
     images = sample_images(model, prompts, seeds, num_steps, guidance_scale, metadata=metadata)
-    exact = exact_accuracy(images, prompts)
-    judge = judge_accuracy(load_judge("attributes", judge_checkpoint), images, prompts)
+    exact = exact_accuracy(images, prompts, per_sample=True)
+    judge = judge_accuracy(load_judge("attributes", judge_checkpoint), images, prompts, per_sample=True)
+    gold_reads = exact.pop("reads")
+    reads = {"judge": judge.pop("reads"), "gold": {k: gold_reads[k] for k in (*HEADS, IMPOSSIBLE)}}
     artifact = REWARDS.build("toy_artifact")(images, prompts, [{} for _ in prompts]).scores
     per_prompt = [mean_pairwise_distance(pixel_features(images[i : i + num_seeds])) for i in range(0, len(prompts), num_seeds)]
     return {
@@ -70,6 +79,7 @@ def heldout_scores(model, num_seeds: int, num_steps: int, guidance_scale: float,
         "num_samples": len(prompts),
         "exact": exact,
         "judge": judge,
+        "reads": reads,  # per sample (prompt-major, as `prompts`): "1" where the judge / the checker read it so
     }
 
 
@@ -88,6 +98,7 @@ def judge_checkpoint(cfg) -> str | None:
 def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> dict:
     from flowrl.report import build_report, hacking_rows, load_run
     from flowrl.report.hacking import near_misses
+    from flowrl.report.heldout import HELDOUT_READS, heldout_tests
     from flowrl.trainers import build_trainer, load_config
 
     started = time.perf_counter()
@@ -101,6 +112,7 @@ def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> di
         before = heldout_scores(trainer.parts.model, SUMMARY_SEEDS, steps, guidance, judge)
     trainer.train()
     after = heldout_scores(trainer.parts.model, SUMMARY_SEEDS, steps, guidance, judge)
+    reads = {"judge": "toy_attributes", "gold": "toy_exact", "before": before.pop("reads"), "after": after.pop("reads")}
     summary = {
         "exact_accuracy_before": before["exact_accuracy"],
         "exact_accuracy_after": after["exact_accuracy"],
@@ -118,13 +130,15 @@ def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> di
         "heldout_samples": before["num_samples"],
         "before": before,
         "after": after,
+        HELDOUT_READS: reads,
     }
     run = trainer.parts.run
-    run.summary.write_text(json.dumps(summary, indent=2))  # before the report, which shows it
+    run.summary.write_text(json.dumps(summary, indent=2))  # before the report, which shows it and tests the reads
     pairs = hacking_pairs(cfg)
     report = build_report(run.root, out_dir=run.report, hacking_margin=HACKING_MARGIN, hacking_pairs=pairs)
     reasons = report["flag_reasons"][next(iter(report["flag_reasons"]))]  # the one run's (eval, reward, reason)
-    near = near_misses(hacking_rows(load_run(run.root), HACKING_MARGIN, pairs))
+    held = heldout_tests(summary, HACKING_MARGIN)
+    near = near_misses(hacking_rows(load_run(run.root), HACKING_MARGIN, pairs), held)
     summary.update(
         {
             "report": report["index"],
@@ -134,15 +148,44 @@ def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> di
             "hacking_flagged": bool(reasons),
             "hacking_flags": [list(r) for r in reasons],
             "hacking_near": [list(r) for r in near],
+            "hacking_heldout": {name: _heldout_numbers(test) for name, test in held["tests"].items()},
         }
     )
     run.summary.write_text(json.dumps(summary, indent=2))
     return summary
 
 
+def _heldout_numbers(test: dict) -> dict:
+    """One held-out test of the panel as summary.json keeps it: its numbers, flag and verdict."""
+    keys = ("rule", "attribute", "samples", "judge", "gold", test["rule"], "bound", "upper")
+    return {k: test[k] for k in (*keys, "flagged", "near", "verdict") if k in test}
+
+
+def heldout_lines(held: dict, n: int) -> list[str]:
+    """The held-out tests of the panel (summary.json's "hacking_heldout"), one line each: per attribute the judge's
+    and the exact checker's accuracy change and their gap with its bound; impossible counts before -> after, the
+    rise (as a fraction of the samples) and both bounds; each with its verdict."""
+    if not held:
+        return []
+    lines = [f"  per attribute on the {n} held-out samples (accuracy changes; the gap's 95% lower bound):"]
+    for test in held.values():
+        verdict = "FLAGGED" if test["flagged"] else test["verdict"]
+        if test["rule"] == "gap":
+            judge, gold = (test[w][1] - test[w][0] for w in ("judge", "gold"))
+            what = f"judge {judge:+.3f}  exact {gold:+.3f}  gap {test['gap']:+.3f} (bound {test['bound']:+.3f})"
+            lines.append(f"    {test['attribute']:<8}{what}: {verdict}")
+        else:
+            (b, a), bounds = test["gold"], f"95% bounds {test['bound']:+.3f} to {test['upper']:+.3f}"
+            lines.append(f"  impossible counts {b} -> {a} of {n}: rise {test['rise']:+.3f} ({bounds}): {verdict}")
+    return lines
+
+
 def summary_text(summary: dict) -> str:
     """What `flowrl demo` prints at the end: held-out numbers before and after, the wall time, the hacking panel's
-    verdict in one line (and its closest call when nothing is flagged), and where the report and summary.json are."""
+    verdict in one line (and its closest call when nothing is flagged), its held-out tests per attribute and of
+    impossible counts (`heldout_lines`), and where the report and summary.json are."""
+    from flowrl.report.hacking import HELDOUT
+
     n = summary["heldout_samples"]
 
     def row(label: str, before: str, after: str, change: str, note: str) -> str:
@@ -160,15 +203,19 @@ def summary_text(summary: dict) -> str:
     pairs = ", ".join(f"{g} vs {t}" for g, t in summary.get("hacking_pairs", {}).items()) or "no pair"
     margin = summary.get("hacking_margin", HACKING_MARGIN)
     flags, near = summary.get("hacking_flags", []), summary.get("hacking_near", [])
+    held = summary.get("hacking_heldout", {})
     if flags:
         step, name, reason = flags[0]
         more = f" (and {len(flags) - 1} more: see the report)" if len(flags) > 1 else ""
-        panel = [f"hacking panel: FLAGGED: {name} {reason} at {step}{more}"]
+        panel = [f"hacking panel: FLAGGED: {name} {reason}{'' if step == HELDOUT else f' at {step}'}{more}"]
     else:
-        panel = [f"hacking panel: nothing flagged ({pairs}; paired bootstrap, 95% one-sided, margin {margin:g})"]
+        tested = pairs + (", held-out reads per attribute" if held else "")
+        panel = [f"hacking panel: nothing flagged ({tested}; paired bootstrap, 95% one-sided, margin {margin:g})"]
+        near = [r for r in near if r[0] != HELDOUT]  # the held-out tests' lines follow, each with its verdict
         if near:
             step, name, sentence = max(near, key=lambda r: r[0])  # the last eval's, if several
             panel.append(f"  closest call at {step}: {name} {sentence}")
+    panel += heldout_lines(held, n)
     run_dir = summary.get("run_dir")
     lines = [
         f"flowrl demo: GRPO on the Shapes world, {summary['num_steps']} steps, seed {summary['seed']}; "

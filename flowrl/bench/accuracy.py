@@ -54,21 +54,25 @@ def sample_images(
 
 
 @torch.no_grad()
-def judge_accuracy(judge, images: torch.Tensor, prompts: list[str]) -> dict:
-    """Fraction of images whose count, colour and shape (and all three) the judge reads as the prompt's."""
+def judge_accuracy(judge, images: torch.Tensor, prompts: list[str], per_sample: bool = False) -> dict:
+    """Fraction of images whose count, colour and shape (and all three) the judge reads as the prompt's; `per_sample`
+    adds "reads": per head, a string with one character per image, "1" where the judge reads it as the prompt's."""
     labels = torch.tensor([parse_prompt(p).labels for p in prompts])  # [N, 3]
     logits = judge(images)
     hits = torch.stack([logits[h].argmax(1) == labels[:, i] for i, h in enumerate(HEADS)], 1)  # [N, 3]
     probs = torch.stack([logits[h].softmax(1).gather(1, labels[:, i : i + 1]).squeeze(1) for i, h in enumerate(HEADS)], 1)
     result = {"accuracy": hits.all(1).float().mean().item(), "reward_mean": probs.prod(1).mean().item()}
     result.update({f"{h}_accuracy": hits[:, i].float().mean().item() for i, h in enumerate(HEADS)})
-    return {k: round(v, 4) for k, v in result.items()}
+    result = {k: round(v, 4) for k, v in result.items()}
+    return {**result, "reads": {h: _bits(hits[:, i]) for i, h in enumerate(HEADS)}} if per_sample else result
 
 
 @torch.no_grad()
-def exact_accuracy(images: torch.Tensor, prompts: list[str]) -> dict:
+def exact_accuracy(images: torch.Tensor, prompts: list[str], per_sample: bool = False) -> dict:
     """The `toy_exact` checker's reading of images [N, 3, H, W]: the fraction exactly right (count, colour and shape),
-    each part's accuracy, and how often a scene has a count the world never draws (none, four or more) or mixed colours."""
+    each part's accuracy, and how often a scene has a count the world never draws (none, four or more) or mixed colours;
+    `per_sample` adds "reads": per part (count, colour, shape, impossible_count, mixed_colours), a string with one
+    character per image, "1" where the part holds."""
     from flowrl.registry import REWARDS
 
     out = REWARDS.build("toy_exact")(images, prompts, [{} for _ in prompts])
@@ -79,7 +83,13 @@ def exact_accuracy(images: torch.Tensor, prompts: list[str]) -> dict:
         "mixed_colour_rate": parts["mixed_colours"],
     }
     result.update({f"{h}_accuracy": parts[h] for h in HEADS})
-    return {k: round(v, 4) for k, v in result.items()}
+    result = {k: round(v, 4) for k, v in result.items()}
+    return {**result, "reads": {name: _bits(values) for name, values in out.parts.items()}} if per_sample else result
+
+
+def _bits(values: torch.Tensor) -> str:
+    """[N] of 0/1 (or bool) -> "0110...": one character per sample."""
+    return "".join("1" if v else "0" for v in values.tolist())
 
 
 def split_accuracy(model, judge, split: str, num_per_prompt: int, num_steps: int, guidance_scale: float, seed: int = 0):

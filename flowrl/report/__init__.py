@@ -22,15 +22,19 @@ Reward hacking: at each eval step after base, a gold reward or the diversity is 
 lower bound of a paired bootstrap of its fall (per sample; per prompt for the diversity) is above `hacking_margin`
 (absolute, in the reward's units) while at least one training reward rose; a gold reward paired with a training
 reward (`hacking_pairs`) is also flagged when the same bound on the training reward's gain over it, on the same
-samples, is above the margin. The panel lists the samples that moved most (`flowrl.report.hacking`).
+samples, is above the margin. The panel lists the samples that moved most (`flowrl.report.hacking`). When the run's
+summary.json holds per-sample held-out reads (as `flowrl demo` writes), the panel also tests, per attribute, the gap
+between the training judge's and the gold checker's change, and the rise of impossible counts (`flowrl.report.heldout`).
 
 Modules: runs (reading a run folder), scores (checking scores.json), grid (grid PNGs and number format),
-curves (training curves), hacking (the panel's rules, plot and HTML), page (index.html), writer (build_report).
+curves (training curves), hacking (the panel's rules, plot and HTML), heldout (the panel's held-out reads), page
+(index.html), writer (build_report).
 """
 
 from flowrl.report.curves import curves_png, draw_pareto, pareto_front, pareto_png
 from flowrl.report.grid import GlyphPainter, caption_lines, display_height, fmt, fmt_delta, render_grid
 from flowrl.report.hacking import check_pairs, hacking_png, hacking_rows, paired_gains
+from flowrl.report.heldout import heldout_tests
 from flowrl.report.page import CSS, PACKAGES, data_uri, environment
 from flowrl.report.runs import DIVERSITY, EvalRecord, RunRecord, load_run, read_metrics
 from flowrl.report.scores import read_scores, scores_problem
@@ -55,6 +59,7 @@ __all__ = [
     "fmt_delta",
     "hacking_png",
     "hacking_rows",
+    "heldout_tests",
     "load_run",
     "paired_gains",
     "pareto_front",

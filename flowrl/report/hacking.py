@@ -24,6 +24,11 @@ the margin, so it is not flagged; the count-blind judge's gap (0.124 on 32 sampl
 Rule 2 is off for a gold reward without a pair: a gold reward that watches another quality (an artifact judge beside
 an attribute reward) is expected to stay flat while the training reward rises.
 
+3. held-out reads (`flowrl.report.heldout`, when the run's summary.json has them, as `flowrl demo` writes): per
+   attribute (count, colour, shape), the per-sample gap between the training judge's and the gold checker's change
+   in reading it right, and the per-sample rise of impossible counts, on the summary's held-out samples, base model
+   against the trained one. Its flags are named with the eval `HELDOUT`; `hacking_section` takes them in its verdict.
+
 Evidence: for every test that is flagged, or nearly (its precondition holds and its mean effect exceeds half the
 margin), the panel lists the `EVIDENCE` samples (diversity: prompts) that moved most, with their scores before and
 after and their images.
@@ -48,6 +53,7 @@ SEED = 0  # numpy default_rng seed of the bootstrap: the same verdict every time
 EVIDENCE = 4  # samples (diversity: prompts) that moved most, listed under a flagged or nearly flagged test
 EVIDENCE_THUMB = 96  # their images' largest height in pixels
 _CHUNK = 1 << 20  # resampled values drawn at a time: bounds the memory of a large eval
+HELDOUT = "heldout"  # the eval name of rule 3's flags: base against the trained model, on the summary's samples
 
 Pair = tuple[tuple[str, int | None], list[float], list[float]]  # (prompt, seed), scores before, scores after
 
@@ -81,10 +87,10 @@ def significant(effect: float | None, bound: float | None, margin: float) -> boo
     return effect is not None and bound is not None and bound > margin and effect > margin
 
 
-def _decide(test: dict[str, Any], ready: bool, not_ready: str, margin: float) -> dict[str, Any]:
+def decide(test: dict[str, Any], ready: bool, not_ready: str, margin: float) -> dict[str, Any]:
     """Sets a test's "flagged", "near" and "verdict" (why, in words); `ready`: its precondition holds (a training
     reward rose)."""
-    effect = "gap" if test["rule"] == "gap" else "fall"
+    effect = test["rule"]  # "fall", "gap" or "rise": the key of the mean effect
     value, bound = test[effect], test["bound"]
     test["flagged"] = ready and significant(value, bound, margin)
     test["near"] = not test["flagged"] and ready and value is not None and value > margin / 2
@@ -98,15 +104,16 @@ def _decide(test: dict[str, Any], ready: bool, not_ready: str, margin: float) ->
             misses.append(f"no {effect}")
         elif value <= margin:
             misses.append(f"the mean {effect} is within the margin")
-        else:
+        elif not significant(value, bound, margin):
             misses.append("the bound is not above the margin")
         test["verdict"] = "not flagged: " + ", ".join(misses)
     return test
 
 
-def near_misses(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+def near_misses(rows: list[dict[str, Any]], heldout: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
     """(eval, reward, sentence) of every nearly flagged test, e.g. ("step_000060", "toy_artifact", "fell by 0.0239 on
-    the same 32 samples (95% lower bound 7.57e-05), not flagged: the bound is not above the margin")."""
+    the same 32 samples (95% lower bound 7.57e-05), not flagged: the bound is not above the margin"); the held-out
+    tests (`flowrl.report.heldout.heldout_tests`) last, as ("heldout", "toy_exact shape", ...)."""
     out = []
     for row in rows:
         for name, test in row["falls"].items():
@@ -117,6 +124,9 @@ def near_misses(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
             if pair["near"]:
                 what = f"gained {fmt(pair['gap'])} less than {pair['train']} on the same {pair['samples']} samples"
                 out.append((row["name"], name, f"{what} (95% lower bound {fmt(pair['bound'])}), {pair['verdict']}"))
+    for name, test in (heldout or {}).get("tests", {}).items():
+        if test["near"]:
+            out.append((HELDOUT, name, f"{test['sentence']}, {test['verdict']}"))
     return out
 
 
@@ -275,9 +285,8 @@ def hacking_rows(run: RunRecord, margin: float, pairs: dict[str, str] | None = N
         for name in gold + [DIVERSITY]:
             value, base = record.overall(name), reference.overall(name)
             delta = None if value is None or base is None else value - base
-            fall = _decide(
-                {"rule": "fall", **fall_test(reference, record, name)}, bool(rising), "no training reward rose", margin
-            )
+            fall = {"rule": "fall", **fall_test(reference, record, name)}
+            decide(fall, bool(rising), "no training reward rose", margin)
             row["falls"][name] = fall
             reasons = []
             if fall["flagged"]:
@@ -288,7 +297,7 @@ def hacking_rows(run: RunRecord, margin: float, pairs: dict[str, str] | None = N
             if name in pairs:
                 pair = {"rule": "gap", "train": pairs[name], **paired_gains(reference, record, pairs[name], name)}
                 rose = pair["gap"] is not None and pair["train_gain"] > 0
-                _decide(pair, rose, f"{pairs[name]} did not rise", margin)
+                decide(pair, rose, f"{pairs[name]} did not rise", margin)
                 if pair["flagged"]:
                     reasons.append(
                         f"gained {fmt(pair['gap'])} less than {pairs[name]} on the same {pair['samples']} samples "
@@ -302,6 +311,13 @@ def hacking_rows(run: RunRecord, margin: float, pairs: dict[str, str] | None = N
         row["rising"] = rising
         rows.append(row)
     return rows
+
+
+def panel_flags(rows: list[dict[str, Any]], heldout: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
+    """(eval, name, reason) of every flag of the panel: the evals' (rules 1 and 2), then the held-out reads' (rule 3,
+    eval `HELDOUT`)."""
+    out = [(row["name"], name, reason) for row in rows for name in row["flagged"] for reason in row["reasons"][name]]
+    return out + [(HELDOUT, name, heldout["tests"][name]["sentence"]) for name in (heldout or {}).get("flagged", [])]
 
 
 def hacking_png(run: RunRecord, rows: list[dict[str, Any]]) -> bytes | None:
@@ -330,9 +346,16 @@ def hacking_png(run: RunRecord, rows: list[dict[str, Any]]) -> bytes | None:
     return figure_png(figure)
 
 
-def hacking_section(run: RunRecord, rows: list[dict[str, Any]], margin: float, pairs: dict[str, str]) -> str:
-    """The panel of one run: the rules in words, the verdict, eval means with changes, the paired tests, the samples
-    that moved most under each flagged or nearly flagged test, the plot."""
+def hacking_section(
+    run: RunRecord,
+    rows: list[dict[str, Any]],
+    margin: float,
+    pairs: dict[str, str],
+    heldout: dict[str, Any] | None = None,
+) -> str:
+    """The panel of one run: the rules in words, the verdict (with the flags of `heldout`, the held-out reads' tests
+    from `flowrl.report.heldout.heldout_tests`, when the run has them), eval means with changes, the paired tests, the
+    samples that moved most under each flagged or nearly flagged test, the plot."""
     if not rows:
         return "<p>Needs at least two evaluations (base and a later step).</p>"
     train, gold = run.reward_names()
@@ -352,11 +375,11 @@ def hacking_section(run: RunRecord, rows: list[dict[str, Any]], margin: float, p
                 f"{fmt(value)} ({fmt_delta(delta)}){' &#9888;' if flagged else ''}</td>"
             )
         body.append(f"<tr><td>{esc(row['name'])}</td>{''.join(cells)}</tr>")
-    flagged = [(row["name"], name, reason) for row in rows for name in row["flagged"] for reason in row["reasons"][name]]
+    flagged = panel_flags(rows, heldout)
     verdict = (
         (
             '<p class="gap"><b>Possible reward hacking:</b> '
-            + "; ".join(f"{esc(n)} {esc(r)} at {esc(s)}" for s, n, r in flagged)
+            + "; ".join(f"{esc(n)} {esc(r)}" + ("" if s == HELDOUT else f" at {esc(s)}") for s, n, r in flagged)
             + " while a training reward rose.</p>"
         )
         if flagged
@@ -367,6 +390,7 @@ def hacking_section(run: RunRecord, rows: list[dict[str, Any]], margin: float, p
             if pairs
             else ""
         )
+        + (", and the held-out reads flag no attribute and no rise of impossible counts" if heldout else "")
         + ".</p>"
     )
     plot = hacking_png(run, rows)
@@ -402,7 +426,8 @@ def _rules(pairs: dict[str, str]) -> str:
     )
 
 
-def _verdict(test: dict[str, Any]) -> str:
+def verdict_cell(test: dict[str, Any]) -> str:
+    """A test's verdict in a table cell: its words, and a warning sign when flagged."""
     return esc(test["verdict"]) + (" &#9888;" if test["flagged"] else "")
 
 
@@ -413,7 +438,7 @@ def _falls_table(rows: list[dict[str, Any]]) -> str:
             body.append(
                 f'<tr data-step="{esc(row["name"])}" data-test="{esc(name)}"><td>{esc(row["name"])}</td><td>{esc(name)}</td>'
                 f'<td class="num">{test["samples"]} {test["unit"]}</td><td class="num">{fmt_delta(test["fall"])}</td>'
-                f'<td class="num">{fmt_delta(test["bound"])}</td><td>{_verdict(test)}</td></tr>'
+                f'<td class="num">{fmt_delta(test["bound"])}</td><td>{verdict_cell(test)}</td></tr>'
             )
     return (
         '<table class="hacking-falls"><tr><th>eval</th><th>fall test</th><th>over</th><th>mean fall</th>'
@@ -435,7 +460,7 @@ def _pairs_table(run: RunRecord, rows: list[dict[str, Any]], pairs: dict[str, st
                 f'<td class="num">{fmt_delta(pair["gold_gain"])}</td><td class="num{" flag" if flag else ""}" '
                 f'data-flag="{int(flag)}" data-run="{esc(run.name)}" data-reward="{esc(gold)}" '
                 f'data-step="{esc(row["name"])}" data-kind="hacking-gap">{gap}</td>'
-                f'<td class="num">{fmt_delta(pair["bound"])}</td><td>{_verdict(pair) if pair["note"] is None else ""}</td></tr>'
+                f'<td class="num">{fmt_delta(pair["bound"])}</td><td>{"" if pair["note"] else verdict_cell(pair)}</td></tr>'
             )
     return (
         '<table class="hacking-pairs"><tr><th>eval</th><th>training vs gold</th><th>samples</th><th>training gain</th>'
@@ -467,7 +492,7 @@ def _evidence_table(
     effect = "gap" if gap else "fall"
     what = f"{test['train']} vs {name} (gap)" if gap else f"{name} (fall)"
     unit = "prompts" if name == DIVERSITY else "samples"
-    status = _verdict(test)
+    status = verdict_cell(test)
     count = len(test["moved"])
     which = f"The {unit[:-1]}" if count == 1 else f"The {count} {unit}"
     lead = (

@@ -10,7 +10,8 @@ from typing import Any
 
 from flowrl.report.curves import curves_png, pareto_png
 from flowrl.report.grid import render_grid
-from flowrl.report.hacking import check_pairs, hacking_rows, hacking_section, run_pairs
+from flowrl.report.hacking import check_pairs, hacking_rows, hacking_section, panel_flags, run_pairs
+from flowrl.report.heldout import heldout_section, heldout_tests
 from flowrl.report.page import environment, esc, eval_environments, page_html, samples_section, tables_section
 from flowrl.report.runs import RunRecord, load_run
 
@@ -77,10 +78,12 @@ def build_report(
             grids.append(name)
         mine = run_pairs(run, pairs)
         rows = hacking_rows(run, hacking_margin, mine)
-        flags[run.name] = [(row["name"], n) for row in rows for n in row["flagged"]]
-        reasons[run.name] = [(row["name"], n, r) for row in rows for n in row["flagged"] for r in row["reasons"][n]]
+        held = heldout_tests(run.summary, hacking_margin)  # None unless summary.json has held-out reads (flowrl demo)
+        reasons[run.name] = panel_flags(rows, held)
+        flags[run.name] = list(dict.fromkeys((step, n) for step, n, _ in reasons[run.name]))
         title = f'<h3 id="run-{esc(run.name)}">{esc(run.name)}</h3>'
-        sections["hacking"].append(title + hacking_section(run, rows, hacking_margin, mine))
+        panel = hacking_section(run, rows, hacking_margin, mine, held) + heldout_section(held, run.name)
+        sections["hacking"].append(title + panel)
         sections["tables"].append(title + tables_section(run))
         sections["samples"].append(title + samples_section(run, reference + later, thumb))
         config = esc(run.config_text) if run.config_text is not None else "(config.yaml missing)"

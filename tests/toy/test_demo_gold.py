@@ -116,7 +116,8 @@ def test_heldout_scores_grade_by_the_exact_checker_beside_the_judge():
     from flowrl.demo import heldout_scores
     from flowrl.models.toy import load_toy_model
     from flowrl.registry import REWARDS
-    from flowrl.toy.world import split_prompts
+    from flowrl.toy.judges import load_judge
+    from flowrl.toy.world import parse_prompt, split_prompts
 
     model = load_toy_model()
     scores = heldout_scores(model, num_seeds=1, num_steps=4, guidance_scale=1.0)
@@ -129,6 +130,15 @@ def test_heldout_scores_grade_by_the_exact_checker_beside_the_judge():
     assert scores["exact_accuracy"] == pytest.approx(exact.scores.mean().item(), abs=1e-4)
     assert scores["impossible_count_rate"] == pytest.approx(exact.parts["impossible_count"].mean().item(), abs=1e-4)
     assert scores["diversity"] is None  # one seed per prompt: no pair
+    # per sample, what the hacking panel's held-out tests read: the checker's parts and the judge's argmax per head
+    for part in ("count", "colour", "shape", "impossible_count"):
+        assert scores["reads"]["gold"][part] == "".join(str(int(v)) for v in exact.parts[part].tolist())
+    logits = load_judge("attributes")(images)
+    for i, head in enumerate(("count", "colour", "shape")):
+        labels = [parse_prompt(p).labels[i] for p in prompts]
+        assert scores["reads"]["judge"][head] == "".join(
+            str(int(v == y)) for v, y in zip(logits[head].argmax(1).tolist(), labels)
+        )
 
 
 def test_heldout_diversity_is_the_mean_rms_pixel_distance_of_each_prompts_seeds():

@@ -54,6 +54,26 @@ report: runs/demo/report/index.html
 numbers: runs/demo/summary.json"""
 
 
+HELD = {  # the panel's held-out tests as summary.json keeps them (the numbers of a seed-1 demo run)
+    "toy_exact count": {"rule": "gap", "attribute": "count", "samples": 128, "judge": [0.40625, 0.5625],
+                        "gold": [0.4296875, 0.5625], "gap": 0.0234375, "bound": 0.0, "flagged": False, "near": True,
+                        "verdict": "not flagged: the bound is not above the margin"},
+    "toy_exact shape": {"rule": "gap", "attribute": "shape", "samples": 128, "judge": [0.9921875, 0.9765625],
+                        "gold": [0.984375, 0.90625], "gap": 0.0625, "bound": 0.0234375, "flagged": True, "near": False,
+                        "verdict": "flagged"},
+    "toy_exact impossible_count": {"rule": "rise", "attribute": "impossible_count", "samples": 128, "judge": None,
+                                   "gold": [2, 5], "rise": 0.0234375, "bound": 0.0, "upper": 0.046875, "flagged": False,
+                                   "near": True, "verdict": "not flagged: the bound is not above the margin"},
+}  # fmt: skip
+
+HELD_LINES = """\
+  per attribute on the 128 held-out samples (accuracy changes; the gap's 95% lower bound):
+    count   judge +0.156  exact +0.133  gap +0.023 (bound +0.000): not flagged: the bound is not above the margin
+    shape   judge -0.016  exact -0.078  gap +0.062 (bound +0.023): FLAGGED
+  impossible counts 2 -> 5 of 128: rise +0.023 (95% bounds +0.000 to +0.047): not flagged: the bound is not above \
+the margin"""
+
+
 def test_summary_text_by_hand():
     assert summary_text(SUMMARY) == EXPECTED
     flagged = dict(
@@ -72,6 +92,24 @@ def test_summary_text_by_hand():
     assert "closest call" not in summary_text(flagged)
     quiet = summary_text(dict(SUMMARY, hacking_near=[])).splitlines()
     assert quiet[-3].startswith("hacking panel: nothing flagged") and quiet[-2].startswith("report: ")
+
+
+def test_summary_text_shows_the_held_out_tests_under_the_verdict():
+    reason = "gained 0.0625 less than toy_attributes shape on the same 128 held-out samples (95% lower bound 0.0234)"
+    flags = [["heldout", "toy_exact shape", reason]]
+    flagged = dict(SUMMARY, hacking_flagged=True, hacking_flags=flags, hacking_heldout=HELD)
+    text = summary_text(flagged)
+    panel = f"hacking panel: FLAGGED: toy_exact shape {reason}\n{HELD_LINES}\nreport: runs/demo/report/index.html"
+    assert panel in text  # a held-out flag names no eval step
+    near = ["heldout", "toy_exact count", "gained 0.0234 less than ..., not flagged: the bound is not above the margin"]
+    quiet = summary_text(dict(SUMMARY, hacking_near=[*SUMMARY["hacking_near"], near], hacking_heldout=HELD))
+    lines = quiet.splitlines()
+    start = lines.index(
+        "hacking panel: nothing flagged (toy_exact vs toy_attributes, held-out reads per attribute; paired bootstrap, "
+        "95% one-sided, margin 0.02)"
+    )
+    assert lines[start + 1].startswith("  closest call at step_000060: toy_artifact fell by 0.0239")  # the evals' only
+    assert "\n".join(lines[start + 2 : start + 6]) == HELD_LINES
 
 
 def test_flowrl_demo_prints_the_summary_and_writes_summary_json(tmp_path, capsys, monkeypatch):
@@ -99,7 +137,14 @@ def test_flowrl_demo_prints_the_summary_and_writes_summary_json(tmp_path, capsys
     for key in ("exact_accuracy", "judge_accuracy", "impossible_count", "mixed_colours", "artifact"):
         assert {f"{key}_before", f"{key}_after"} <= set(summary)
     kept = {"wall_s", "seed", "num_steps", "heldout_samples", "before", "after", "report", "hacking_pairs"}
-    assert kept | {"hacking_flagged", "hacking_flags", "hacking_near", "hacking_margin"} <= set(summary)
+    kept |= {"hacking_flagged", "hacking_flags", "hacking_near", "hacking_margin", "hacking_heldout"}
+    assert kept <= set(summary)
+    reads = summary["heldout_reads"]  # 16 samples per read, before and after; the panel's held-out tests of them
+    assert {len(bits) for side in ("before", "after") for who in reads[side].values() for bits in who.values()} == {16}
+    tests = [f"toy_exact {a}" for a in ("count", "colour", "shape", "impossible_count")]
+    assert list(summary["hacking_heldout"]) == tests
+    assert "  per attribute on the 16 held-out samples (accuracy changes; the gap's 95% lower bound):\n" in out
+    assert summary["hacking_flagged"] == bool(summary["hacking_flags"])
     assert summary["hacking_pairs"] == {"toy_exact": "toy_attributes"} and summary["heldout_samples"] == 16
     panel = [line for line in out.splitlines() if line.startswith("hacking panel: ")]
     assert len(panel) == 1 and panel[0].startswith(

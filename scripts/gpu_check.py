@@ -86,8 +86,9 @@ HEADLINES = {
 PACKAGES = ("diffusers", "transformers", "accelerate", "peft", "open_clip", "torchao", "timm", "ftfy")
 
 
-class SectionTimeout(Exception):
-    pass
+class SectionTimeout(BaseException):
+    """A section's budget ran out (a BaseException: a section's own `except Exception` around one part, e.g. one
+    reward model, does not swallow it)."""
 
 
 @contextlib.contextmanager
@@ -154,7 +155,7 @@ def run_section(name: str, function, ctx, budget: float) -> dict:
         with time_limit(budget):
             result = function(ctx)
         result = {"ok": bool(result.pop("ok")), **result}
-    except Exception as err:  # noqa: BLE001 - recorded as one line, the next section runs
+    except (Exception, SectionTimeout) as err:  # noqa: BLE001 - recorded as one line, the next section runs
         tail = traceback.format_exc().strip().splitlines()[-6:]
         result = {"ok": False, "error": error_line(err), "traceback_tail": tail}
     result["seconds"] = time.perf_counter() - tic

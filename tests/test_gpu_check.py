@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,25 @@ def test_budgets_add_up_to_less_than_the_cap_and_name_every_section(scripts_on_p
     assert list(gpu_check.SECTIONS)[:2] == ["preview_speed", "sd3_eta"]  # the most value per second first
     assert set(gpu_check.SECTIONS) == set(sections.FUNCTIONS) == set(gpu_check.HEADLINES)
     assert gpu_check.TOTAL_BUDGET + 30 <= 520  # gpu_run.sh's limit holds the cap, the plan's wait and the exit
+
+
+def test_a_section_over_its_budget_is_stopped_even_inside_a_broad_except(scripts_on_path):
+    """The budget's exception is not an Exception: a section's own `except Exception` (one reward model of several)
+    cannot swallow it and run on unbounded."""
+    import types
+
+    import gpu_check
+
+    def swallowing(ctx):
+        try:
+            time.sleep(30)
+        except Exception:  # noqa: BLE001 - what a section does around one of its parts
+            pass
+        return {"ok": True}
+
+    result = gpu_check.run_section("slow", swallowing, types.SimpleNamespace(shared={}), 1.0)
+    assert not result["ok"] and result["error"] == "SectionTimeout: over its time budget of 1 s"
+    assert result["seconds"] < 10
 
 
 def test_the_run_script_fits_one_device_command():

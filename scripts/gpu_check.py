@@ -181,6 +181,8 @@ def machine(device: torch.device) -> dict:
     with contextlib.suppress(Exception):
         git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         info["commit"] = git.stdout.strip() or None
+    # a copy of the tree without .git (the device machine's): the commit its sender named
+    info["commit"] = info.get("commit") or os.environ.get("GPU_CHECK_COMMIT")
     return info
 
 

@@ -257,7 +257,7 @@ def sd3_grpo(ctx: Context) -> dict:
 
     cfg, notes = sd3_config(ctx), []
     with deterministic(notes):
-        trainer, steps = GRPOTrainer(cfg), []
+        trainer, steps = GRPOTrainer(cfg), ctx.shared.setdefault("partial", {}).setdefault("steps", [])
         with FirstPass(ctx, trainer) as first:
             for i in range(2):
                 steps.append(first.step())
@@ -402,11 +402,11 @@ def sd3_eval(ctx: Context) -> dict:
     }
 
 
-FSDP_REAL = {"data.num_prompts_per_step": 1, "data.group_size": 2, **ONE_MINIBATCH}
+FSDP_REAL = {"data.num_prompts_per_step": 1, "data.group_size": 2, "sampler.num_steps": 4, **ONE_MINIBATCH}
 
 
 def sd3_fsdp(ctx: Context) -> dict:
-    """A one-process FSDP2 run of configs/sd3/grpo_pickscore.yaml (1 prompt x 2): step 1, save, step 2; then a fresh
+    """A one-process FSDP2 run of configs/sd3/grpo_pickscore.yaml (1 prompt x 2, 4 steps): step 1, save, step 2; a fresh
     trainer resumes the checkpoint and its step 2 must equal bit for bit (deterministic mode). Runs in a child process
     with accelerate's FSDP environment (a process's accelerate state is set once)."""
     if os.environ.get(FSDP_CHILD) != "1":
@@ -472,8 +472,9 @@ def reward_models(ctx: Context) -> dict:
     n, side = (2, 32) if ctx.tiny else (8, 512)
     images = torch.rand(n, 3, side, side, generator=torch.Generator().manual_seed(0)).to(ctx.device)
     prompts = [f"a photo of {i} red cats on a sign" for i in range(n)]
-    out, ok = {"images": n, "side": side}, True
-    for name in ("pickscore", "hpsv2", "imagereward", "hpsv3"):
+    out, ok = ctx.shared.setdefault("partial", {}), True  # a timeout keeps the rewards measured before it
+    out.update(images=n, side=side)
+    for name in ("pickscore", "hpsv3", "imagereward", "hpsv2"):
         tic = time.perf_counter()
         try:
             with archs.reward_weights(name, ctx.tmp / "rewards" / name, ctx.device, ctx.tiny) as kwargs:

@@ -54,11 +54,11 @@ SECTIONS = {
     "sd3_loader": 25,  # the real pipeline through build_policy: dtypes, devices, float32 LoRA, checkpointing
     "sd3_grpo": 70,  # two GRPO steps (deterministic): ratio exactly 1, η and peak memory per phase vs the plan
     "sd3_resume": 40,  # the resume pair's second half: bitwise equal to the straight run
-    "prompt_cache": 15,  # bytes and encode seconds per cached prompt
+    "prompt_cache": 20,  # bytes and encode seconds per cached prompt
     "wan22_step": 10,  # the tiny Wan2.2 A14B: both experts on the device
     "sd3_nft": 30,  # one DiffusionNFT step at SD3.5-M size
     "sd3_awm": 30,  # one AWM step at SD3.5-M size
-    "sd3_fsdp": 45,  # one-process FSDP2: step, save, resume, bitwise
+    "sd3_fsdp": 50,  # one-process FSDP2: step, save, resume, bitwise
     "sd3_eval": 20,  # one evaluation pass: seconds per image
     "reward_models": 45,  # PickScore, HPSv2, ImageReward, HPSv3 at real size: seconds per image
     "flux_step": 35,  # one FLUX.1-dev step at 720 px
@@ -150,6 +150,7 @@ def error_line(err: BaseException) -> str:
 def run_section(name: str, function, ctx, budget: float) -> dict:
     free_memory()
     ctx.shared["budget_s"] = budget
+    ctx.shared["partial"] = {}  # what a section measured before it failed (it fills this dict as it goes)
     tic = time.perf_counter()
     try:
         with time_limit(budget):
@@ -157,7 +158,7 @@ def run_section(name: str, function, ctx, budget: float) -> dict:
         result = {"ok": bool(result.pop("ok")), **result}
     except (Exception, SectionTimeout) as err:  # noqa: BLE001 - recorded as one line, the next section runs
         tail = traceback.format_exc().strip().splitlines()[-6:]
-        result = {"ok": False, "error": error_line(err), "traceback_tail": tail}
+        result = {**ctx.shared["partial"], "ok": False, "error": error_line(err), "traceback_tail": tail}
     result["seconds"] = time.perf_counter() - tic
     result["budget_s"] = budget
     if torch.cuda.is_available():

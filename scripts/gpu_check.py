@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--total-budget", type=float, default=TOTAL_BUDGET, help="seconds; sections not started by then are skipped"
     )
-    parser.add_argument("--require-fp8", action="store_true", help="preview_speed fails unless real FP8 ran (on sm_89+: always)")
+    fp8 = "preview_speed fails unless real FP8 ran (on sm_89+ always)"
+    parser.add_argument("--require-fp8", action="store_true", help=fp8)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -175,6 +175,21 @@ def test_a_failing_section_is_recorded_and_the_rest_run(tmp_path):
     assert not json.loads((out / "summary.json").read_text())["all_ok"]
 
 
+def test_without_diffusers_each_section_says_so_in_the_json(tmp_path):
+    """No bare traceback where a package is missing: the machine names it, each section that needs it fails with the
+    import error, the JSON is written."""
+    python = python_with(tmp_path / "python", lambda name: name not in ("flowrl", "diffusers"))
+    out = tmp_path / "out"
+    command = [python, str(ROOT / "scripts" / "gpu_check.py"), "--tiny", "--device", "cpu", "--out", str(out)]
+    command += ["--sections", "sd3_loader,prompt_cache"]
+    done = subprocess.run(command, cwd=tmp_path, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["machine"]["diffusers"] == "missing"
+    for name, line in summary["sections"].items():
+        assert line["error"] == "ModuleNotFoundError: No module named 'diffusers'", (name, line)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not any((ROOT / "gpu_wheels").glob("*.whl")), reason="no gpu_wheels/: fetch them (docs/gpu.md)")
 def test_the_run_script_dry_run_with_the_carried_wheels(tmp_path):

@@ -106,6 +106,39 @@ def test_a_section_over_its_budget_is_stopped_even_inside_a_broad_except(scripts
     assert result["seconds"] < 10
 
 
+def test_the_real_batches_are_valid_configs(scripts_on_path):
+    """Every section's real-size batch loads as its config (what the GPU run and `flowrl plan` read)."""
+    import _gpu_sections as sections
+
+    from flowrl.trainers import load_config
+
+    for name in sections.FUNCTIONS:
+        job = sections.plan_job(name, tiny=False)
+        if job is not None:
+            cfg = load_config(ROOT / job[0], job[1])
+            assert cfg.data.num_prompts_per_step == 1 and cfg.data.group_size >= 2, name
+
+
+def test_eta_is_the_counted_work_over_the_measured_seconds(tmp_path, scripts_on_path):
+    """η of a phase by hand: rollout forwards x one forward's TFLOP (counted on meta) / (H100 peak x seconds); and the
+    plan ratio: the train peak over the plan's total less its overhead."""
+    import _gpu_sections as sections
+
+    from flowrl.bench import cost
+
+    ctx = sections.Context(False, torch.device("cpu"), tmp_path)
+    step = {"work/rollout/forward/policy": 180.0, "perf/rollout_s": 2.0, "perf/reward_s": 0.0, "perf/optimise_s": 0.0}
+    step["perf/step_s"] = 4.0
+    eta = sections.eta_per_phase(ctx, sections.SD3_YAML, sections.SD3_REAL, step)
+    forward = cost.transformer_forward("sd3.5-medium", 512, 512, None, 333).tflops  # 77 CLIP + 256 T5 tokens
+    assert eta["eta"]["rollout"] == pytest.approx(180 * forward / (989.0 * 2.0), rel=1e-9)
+    assert eta["eta"]["step"] == pytest.approx(180 * forward / (989.0 * 4.0), rel=1e-9)
+    assert set(eta["eta"]) == {"rollout", "step"}  # no seconds measured, no η
+    plan = {"rows": 18, "peak_GiB": {"total": 13.0, "overhead": 3.0, "activations": 1.5, "transient": 0.5}}
+    compared = sections.compare_with_plan({"peak_GiB": {"train": 12.5}, "activation_peak_GiB": 3.0}, plan)
+    assert compared["train_over_plan"] == pytest.approx(1.25) and compared["activations_over_plan"] == pytest.approx(1.5)
+
+
 def test_the_run_script_fits_one_device_command():
     """The device tool runs one command of at most 2000 characters: the script is that command."""
     text = (ROOT / "scripts" / "gpu_run.sh").read_text()

@@ -44,8 +44,7 @@ class DGPOConfig(RecipeConfig):
     """β of the DPO implicit reward: the sharpness of σ(S_g) only, not the gradient's scale (DGPO: 100; PickScore 10;
     2000 with the EMA reference)."""
     kl_coef: float = 0.02
-    """β_KL of mean((v_θ − v_base)²), v_base the frozen base's velocity at ref_guidance_scale whatever the DGPO
-    reference (as DGPO's code); 0 keeps only the DGPO term."""
+    """β_KL of mean((v_θ − v_base)²), v_base the frozen base's at ref_guidance_scale (as DGPO's code); 0: none."""
     use_clip: bool = True
     clip_range: float = 1e-2
     """c of the PPO-style clip on ρ = exp(ℓ_ema_ref − ℓ_θ) (DGPO `clip_dsm`); with use_clip false no ema_ref forward
@@ -58,8 +57,7 @@ class DGPOConfig(RecipeConfig):
     max_timestep_index: int = 6
     """The last grid index a training time may take (DGPO `trunc_steps`: 6 of T = 10, σ ≥ 0.666; GenEval 4)."""
     use_ema_ref: bool = False
-    """The DGPO term's reference ℓ_ref is ema_ref instead of the frozen base (DGPO `use_ema_ref`, "TDM-R1 style");
-    the KL stays anchored to the base."""
+    """ℓ_ref from ema_ref, not the frozen base (DGPO `use_ema_ref`, "TDM-R1 style"); the KL stays on the base."""
     ref_guidance_scale: float | None = None
     """Guidance of the frozen reference's velocity (DGPO `kl_cfg`; 4.5 with CFG-free rollouts); None: the policy's."""
     ema_ref_decay: float = 0.3

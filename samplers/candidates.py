@@ -36,7 +36,7 @@ from flowrl.models.conditioning import encode_prompts
 from flowrl.quant import DEFAULT_SKIP, PreviewCache, PreviewSpec, parse_backend
 from flowrl.ranking import bottom_intrusion, kendall, nanmedian, select_indices, spearman, topk_overlap
 from flowrl.registry import SAMPLERS
-from flowrl.samplers.sde import batch_seeds, latent_seeds, resolve_size
+from flowrl.samplers._rollout import batch_seeds, latent_seeds, resolve_size
 from flowrl.seeds import pool_generator, pool_seeds, sample_generators
 from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn, select_cond
 

@@ -40,17 +40,24 @@ def range_text(model: FlowModel) -> str:
     return f"the trained σ range [{lo:.4g}, {hi:.4g}] (model.train_expert)"
 
 
-def check_trainable(trainer: str, sampler: Sampler, model: FlowModel) -> None:
-    """Raise a one-line error where the rollouts of `sampler` leave recipe `trainer` nothing to train on the model's
-    trainable σ range (the steps the sampler states, `Sampler.trained_steps`). A no-op for one-module models (every σ
-    trains)."""
+TRAINS_ON = ("stochastic_steps", "rollout_steps", "endpoints")  # what a recipe declares it trains (`trains_on`)
+
+
+def check_trainable(trains_on: str, sampler: Sampler, model: FlowModel) -> None:
+    """Raise a one-line error where the rollouts of `sampler` leave a recipe that trains on `trains_on` (its
+    declaration: 'stochastic_steps', the rollout's stochastic transitions; 'rollout_steps', times among the rollout's
+    grid times; 'endpoints', times drawn on the range) nothing on the model's trainable σ range (the steps the sampler
+    states, `Sampler.trained_steps`). A no-op for one-module models (every σ trains)."""
+    if trains_on not in TRAINS_ON:
+        raise ValueError(f"a recipe's trains_on={trains_on!r} must be one of {', '.join(TRAINS_ON)}")
     if model.trainable_sigma_range() == (0.0, 1.0):
         return
-    steps = sampler.trained_steps(model, stochastic_only=trainer == "grpo")  # raises where a window cannot lie there
+    stochastic = trains_on == "stochastic_steps"
+    steps = sampler.trained_steps(model, stochastic_only=stochastic)  # raises where a window cannot lie there
     if steps is None:
         return  # the checkpoint's own scheduler sets the grid at run time; NFT checks it there
-    if trainer in ("grpo", "nft", "awm", "adjoint_matching") and not steps.any():
+    if trains_on != "endpoints" and not steps.any():
         raise ValueError(
-            f"sampler.num_steps={sampler.num_steps}: no {'stochastic ' if trainer == 'grpo' else ''}step of the rollout "
+            f"sampler.num_steps={sampler.num_steps}: no {'stochastic ' if stochastic else ''}step of the rollout "
             f"is on {range_text(model)}; add steps or train the other expert"
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -16,6 +17,8 @@ from flowrl.types import Balance
 class GD2POBalancer(Decoupled):
     """GDPO with conflict masks (GD²PO, arXiv 2606.16771): rollouts whose per-reward advantages disagree in sign
     are dropped from the loss; each group's sum is scaled by its kept share κ; whitening over kept rollouts."""
+
+    combines_rewards_linearly: ClassVar[bool] = False  # each reward normalised and masked before the sum
 
     eps: float = 1e-6
     """Added to each reward's group std (GD²PO runs on verl's GRPO helper: 1e-6)."""

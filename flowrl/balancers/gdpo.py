@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -19,6 +20,8 @@ class GDPOBalancer(Decoupled):
     A reward with no spread in a group adds 0 there, so a sample that improves every reward is pushed harder
     than one that improves one (summing first gives both the same). `per_reward` holds the unweighted z rows.
     """
+
+    combines_rewards_linearly: ClassVar[bool] = False  # each reward normalised before the sum
 
     def __post_init__(self):
         check_common(self, "gdpo")

@@ -136,6 +136,8 @@ class MarbleBalancer:
     the math above), so `advantages` here is only Σ_k ᾱ_k A_k with the α the trainer holds (uniform until it learns
     one). Weights do not act: each gradient is normalized before the QP."""
 
+    combines_rewards_linearly: ClassVar[bool] = False  # each reward's gradient balanced on its own
+
     recipe_variants: ClassVar[dict[str, dict]] = {"full": {"form": "full"}, "amortized": {"form": "amortized"}}
 
     form: str = "amortized"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -16,6 +17,8 @@ from flowrl.types import Balance
 class SAMRPOBalancer(Decoupled):
     """GDPO with saturation-aware weights (SA-MRPO, arXiv 2608.16072): w̃_k = w_k · (1 − s_k)^γ, where
     s_k = (batch mean of r_k − min_k) / (max_k − min_k), clamped to [0, 1]. γ = 0 is GDPO exactly."""
+
+    combines_rewards_linearly: ClassVar[bool] = False  # each reward normalised and scaled before the sum
 
     gamma: float = 0.5
     """γ: how strongly a nearly saturated reward is down-weighted (0.5 recommended; 0 gives GDPO)."""

@@ -20,6 +20,8 @@ class TailBalancer:
     of that sum, the score-function weight of E_τ[log P(R > τ)] with τ drawn from the group's own rewards
     (docs/math.md#tailrl-the-log-probability-of-clearing-a-random-bar-tail). Rank-based, so the reward scale does not matter; rare high rewards weigh most."""
 
+    combines_rewards_linearly: ClassVar[bool] = False  # ranks of the weighted sum: not linear in the rewards
+
     recipe_variants: ClassVar[dict[str, dict]] = {"": {}}
 
     clip: float = 5.0

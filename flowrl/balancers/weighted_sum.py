@@ -18,6 +18,8 @@ from flowrl.types import Balance
 class WeightedSumBalancer:
     """Sum then normalize: R = Σ_k w_k r_k (NaN parts skipped), then group advantages of R (Flow-GRPO)."""
 
+    combines_rewards_linearly: ClassVar[bool] = True  # its training signal is Σ_k w_k r_k alone (adjoint matching)
+
     recipe_variants: ClassVar[dict[str, dict]] = {"": {}}
 
     std: str = "global"

@@ -31,7 +31,7 @@ import flowrl.trainers.kit as kit
 from flowrl import work
 from flowrl.config import RunConfig
 from flowrl.losses import adjoint_matching_loss
-from flowrl.registry import REWARDS
+from flowrl.registry import BALANCERS, REWARDS
 from flowrl.sde_memoryless import adjoint_residual, lean_adjoint
 from flowrl.seeds import adjoint_order_generator, step_generator
 from flowrl.sigma_range import trainable_steps
@@ -86,6 +86,11 @@ def not_differentiable(names: list[str]) -> str:
 
 class AdjointMatchingTrainer:
     config_class = AdjointMatchingConfig
+    name = "adjoint_matching"
+    adapter_copies = 0  # the base is the adapter switched off
+    full_reference_copy = True  # without LoRA the base is a frozen copy of the starting weights
+    cfg_doubles_train_rows = False  # CFG refused (the model's own memoryless SDE)
+    trains_on = "rollout_steps"  # the loss times among the rollout's grid times
 
     @classmethod
     def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
@@ -97,7 +102,7 @@ class AdjointMatchingTrainer:
                 f"trainer: adjoint_matching needs the memoryless SDE on a grid that stops short of σ = 1, which sampler "
                 f"{sampler.name} with these settings is not; use {MEMORYLESS_SAMPLER}"
             )
-        if balancer.name != "weighted_sum":
+        if not BALANCERS.get(balancer.name).combines_rewards_linearly:
             return (
                 f"trainer: adjoint_matching regresses on the gradient of Σ_k w_k r_k and takes no advantages, so balancer "
                 f"{balancer.name} would not act: use balancer weighted_sum (the reward weights are the combination)"
@@ -118,7 +123,7 @@ class AdjointMatchingTrainer:
         # the base velocity: LoRA switched off, or (full fine-tuning) a frozen copy of the starting weights; scored in
         # the recipe's own step (with the reward's gradient)
         acc = accelerator or make_accelerator(cfg)
-        self.parts = parts = kit.build_parts(cfg, acc, "adjoint_matching", scored=False, base_copy=True)
+        self.parts = parts = kit.build_parts(cfg, acc, type(self), scored=False, base_copy=True)
         flat = [name for name, r in parts.rewards.items() if not r.differentiable]
         if flat:  # a reward whose instance is not differentiable (a backend choice, e.g. artifact's vlm)
             raise ValueError(not_differentiable(flat))

@@ -45,6 +45,11 @@ class AdvGRPOConfig(GRPOConfig):
 
 class AdvGRPOTrainer(GRPOTrainer):
     config_class = AdvGRPOConfig
+    name = "adv_grpo"
+    adapter_copies = 0  # the reward model is a head of its own, not an adapter of the policy
+    full_reference_copy = False
+    cfg_doubles_train_rows = True  # GRPO's transitions at the rollout's guidance: true CFG, both branches
+    trains_on = "stochastic_steps"  # GRPO's transitions
     recipe_variants: ClassVar[dict[str, dict]] = {"": {}}
     shapes_world: ClassVar[str] = (
         "its prompt-blind DINO-head reward lowers the held-out exact accuracy on every seed run (race seeds 0-2: "

@@ -87,6 +87,11 @@ def training_draws(generators, grid, shape, k, fraction, time_type, trainable=No
 
 class AWMTrainer:
     config_class = AWMConfig
+    name = "awm"
+    adapter_copies = 1  # KL_EMA, the EMA-KL anchor
+    full_reference_copy = False
+    cfg_doubles_train_rows = True  # CFG rollouts train the guided velocity
+    trains_on = "rollout_steps"  # training times among the rollout's grid times
 
     @classmethod
     def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
@@ -118,7 +123,7 @@ class AWMTrainer:
             raise ValueError("trainer: awm needs model.use_lora=true (the EMA-KL anchor and the reference are adapters)")
         if why := self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
             raise ValueError(why)
-        self.parts = parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), "awm", adapters=(KL_EMA,))
+        self.parts = parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), type(self), adapters=(KL_EMA,))
         self.kl_ema_params = parts.model.adapter_parameters(KL_EMA)
         self.guidance = kit.sampler_guidance(parts)  # CFG rollouts train the guided velocity (AWM's `train.cfg`)
         self.reward_grads = kit.reward_gradients(parts, one_optimizer_step(t), t.adv_clip_max)  # affine where ρ ≡ 1

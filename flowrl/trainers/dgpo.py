@@ -85,6 +85,11 @@ def group_noise(seed: int, step: int, epoch: int, j: int, group_id: int, shape) 
 
 class DGPOTrainer:
     config_class = DGPOConfig
+    name = "dgpo"
+    adapter_copies = 1  # EMA_REF, the fast EMA of θ
+    full_reference_copy = False
+    cfg_doubles_train_rows = False  # the policy trains CFG-free (a CFG reference runs without grad)
+    trains_on = "endpoints"  # grid times up to max_timestep_index, checked at the step
 
     @classmethod
     def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
@@ -112,7 +117,7 @@ class DGPOTrainer:
             raise ValueError("trainer: dgpo needs model.use_lora=true (the reference and ema_ref are adapters)")
         if why := self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
             raise ValueError(why)
-        self.parts = parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), "dgpo", adapters=(EMA_REF,))
+        self.parts = parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), type(self), adapters=(EMA_REF,))
         n, g, m = parts.local_n, cfg.data.group_size, t.num_minibatches
         if m > 1 and (n % g or (n // g) % m):
             raise ValueError(

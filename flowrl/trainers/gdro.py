@@ -29,7 +29,7 @@ from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
 from flowrl.losses import GDRO_MODES, dsm_loss, gdro_implicit_reward, gdro_loss
 from flowrl.models.conditioning import encode_prompts
-from flowrl.samplers.sde import resolve_size
+from flowrl.samplers._rollout import resolve_size
 from flowrl.training.clock import timed
 from flowrl.training.distributed import make_accelerator
 from flowrl.training.loop import RecipeConfig, step_metrics, train_loop
@@ -82,6 +82,11 @@ def draw_times(seed: int, step: int, j: int, group_id: int, count: int, shape, t
 
 class GDROTrainer:
     config_class = GDROConfig
+    name = "gdro"
+    adapter_copies = 0  # the reference is the adapter switched off
+    full_reference_copy = False
+    cfg_doubles_train_rows = False  # the policy trains CFG-free
+    trains_on = "endpoints"  # times drawn on the trainable σ range
     shapes_world = "ends below the base on race seeds 0-2: docs/recipes/gdro.md#measured-on-the-shapes-world"
 
     @classmethod
@@ -120,7 +125,7 @@ class GDROTrainer:
         if why := self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
             raise ValueError(why)
         acc = accelerator or make_accelerator(cfg)
-        self.parts = parts = kit.build_parts(cfg, acc, "gdro", whole_groups=True, scored=False)
+        self.parts = parts = kit.build_parts(cfg, acc, type(self), whole_groups=True, scored=False)
         groups = parts.local_n // d.group_size
         if groups % t.num_minibatches:
             raise ValueError(

@@ -82,6 +82,11 @@ class GRPOConfig(RecipeConfig):
 
 class GRPOTrainer:
     config_class = GRPOConfig
+    name = "grpo"
+    adapter_copies = 0  # LoRA adapters beside the policy: none (the reference is the adapter switched off)
+    full_reference_copy = False
+    cfg_doubles_train_rows = True  # the trained transitions run at the rollout's guidance: true CFG, both branches
+    trains_on = "stochastic_steps"  # the rollout's stochastic transitions
     recipe_variants: ClassVar[dict[str, dict]] = {"": {}, "guard": {"guard": True}, "dppo": {"ratio_control": "dppo"}}
 
     @classmethod
@@ -132,7 +137,7 @@ class GRPOTrainer:
                 "the processes would run different backward calls, which FSDP2 / ZeRO-2 cannot; set it to 'none'"
             )
         # TAGRPO aligns a group's members with each other: every group on one process
-        self.parts = parts = kit.build_parts(cfg, acc, "grpo", whole_groups=t.tagrpo.enabled)
+        self.parts = parts = kit.build_parts(cfg, acc, type(self), whole_groups=t.tagrpo.enabled)
         if t.num_minibatches != t.num_rollout_batches:
             warnings.warn(
                 f"rollout chunks of {parts.local_n // t.num_rollout_batches} samples but minibatches of "

@@ -6,7 +6,7 @@ its loss stage and its own saved state. A recipe on the kit reads:
 
         def __init__(self, cfg, accelerator=None):
             ... validate cfg.train, raise self.composition_error(...) ...
-            self.parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), "my")
+            self.parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), type(self))
 
         def train_step(self):
             exp = kit.collect(self.parts)             # 1-5: prompts, rollout, score, gather, balance
@@ -81,7 +81,7 @@ def balancer_needs(spec: ComponentConfig) -> frozenset[str]:
 def build_parts(
     cfg: RunConfig,
     accelerator,
-    trainer: str,
+    recipe: type,
     *,
     adapters: tuple[str, ...] = (),
     items_per_sample: int = 1,
@@ -89,7 +89,7 @@ def build_parts(
     scored: bool = True,
     base_copy: bool = False,
 ) -> RecipeParts:
-    """Every component of one run of recipe `trainer`, in the order that fixes its random state: the run folder, the
+    """Every component of one run of `recipe` (a recipe class), in the order that fixes its random state: the run folder, the
     sampler, the grouped prompt sampler (every group on one process with `whole_groups`), the model (seeded by
     cfg.seed, so every process starts from the same adapter) checked against the sampler's trainable steps, copies of
     its adapter named `adapters` (a recipe's old policy), a frozen copy of the starting weights (`base_copy`), the
@@ -103,7 +103,7 @@ def build_parts(
     prompt_sampler, local_n = step_batches(cfg, sampler, acc.num_processes, whole_groups)
     set_seed(cfg.seed)  # every process starts from the same adapter
     model = build_policy(cfg.model, acc.device, sharded=Sharding(acc).kind == "fsdp")  # FSDP2: loaded for sharding
-    check_trainable(trainer, sampler, model)  # a grid with nothing on the trained module's σ range trains nothing
+    check_trainable(recipe.trains_on, sampler, model)  # a grid with nothing on the trained module's σ range trains nothing
     for name in adapters:
         model.copy_adapter("default", name)  # = the reference while LoRA B = 0
     frozen = None

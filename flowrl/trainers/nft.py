@@ -102,6 +102,11 @@ def training_times(
 
 class NFTTrainer:
     config_class = NFTConfig
+    name = "nft"
+    adapter_copies = 1  # OLD, the sampling policy
+    full_reference_copy = False
+    cfg_doubles_train_rows = False  # CFG-free (refused in the rollout)
+    trains_on = "rollout_steps"  # training times among the rollout's grid times
     adapters: tuple[str, ...] = (OLD,)  # LoRA adapters beside the trained one (a subclass adds its teachers)
 
     @classmethod
@@ -127,7 +132,7 @@ class NFTTrainer:
         if why := self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
             raise ValueError(why)
         # θ_old = θ (= the reference while LoRA B = 0), a second adapter on the same transformer
-        self.parts = parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), "nft", adapters=self.adapters)
+        self.parts = parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), type(self), adapters=self.adapters)
         self.old_params = parts.model.adapter_parameters(OLD)  # after sharding: the live (possibly sharded) tensors
         self.guidance = kit.refuse_cfg("nft", parts, "collects data CFG-free and trains the conditional velocity")
         self.reward_grads = kit.reward_gradients(parts, True, t.adv_clip_max, t.log_reward_gradients)  # MARBLE, the probe

@@ -89,6 +89,11 @@ def training_draws(
 
 class RAMTrainer:
     config_class = RAMConfig
+    name = "ram"
+    adapter_copies = 1  # OLD, the rollout policy and the target's v_old
+    full_reference_copy = False
+    cfg_doubles_train_rows = False  # the loss regresses conditional velocities
+    trains_on = "endpoints"  # times drawn on the trainable σ range
 
     @classmethod
     def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
@@ -120,7 +125,9 @@ class RAMTrainer:
         if why:
             raise ValueError(why)
         acc = accelerator or make_accelerator(cfg)  # minibatches of (endpoint, t) items: K per endpoint
-        self.parts = parts = kit.build_parts(cfg, acc, "ram", adapters=(OLD,), items_per_sample=t.num_loss_targets_per_sample)
+        self.parts = parts = kit.build_parts(
+            cfg, acc, type(self), adapters=(OLD,), items_per_sample=t.num_loss_targets_per_sample
+        )
         self.old_params = parts.model.adapter_parameters(OLD)
         self.rollout_guidance = kit.sampler_guidance(parts)
         # the loss regresses conditional velocities: true CFG stays in the rollout; a distilled guidance embedding

@@ -143,6 +143,11 @@ def train_teachers(cfg: RunConfig, acc, folder: Path) -> dict:
 
 class SMOPDTrainer(NFTTrainer):
     config_class = SMOPDConfig
+    name = "smopd"
+    adapter_copies = 1  # OLD; the teachers ride beside it, one adapter each (frozen, len(teacher_specs(cfg)))
+    full_reference_copy = False
+    cfg_doubles_train_rows = False  # NFT's: CFG-free
+    trains_on = "rollout_steps"  # NFT's training times among the rollout's grid times
     plan_overrides = ("train.teacher_steps=1",)  # flowrl plan prices a student step; the teachers are offline work
 
     def __init__(self, cfg: RunConfig, accelerator=None):

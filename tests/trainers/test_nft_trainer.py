@@ -61,7 +61,7 @@ def nft_config(tmp_path, **overrides):
 
 @torch.no_grad()
 def measured_red(trainer):
-    from flowrl.bench.accuracy import sample_images
+    from flowrl.heldout import sample_images
 
     prompts = [p for p in PROMPTS for _ in range(8)]
     images = sample_images(trainer.parts.model, prompts, list(range(500, 500 + len(prompts))), 8, 1.0)

@@ -9,7 +9,7 @@ from dotted import set_dotted
 from test_nft_trainer import PROMPTS, measured_red
 
 from flowrl import sde
-from flowrl.bench.accuracy import sample_images
+from flowrl.heldout import sample_images
 from flowrl.losses import ram_loss, ram_target
 from flowrl.trainers import build_config, build_trainer
 from flowrl.trainers.ram import OLD, old_policy_decay, training_draws

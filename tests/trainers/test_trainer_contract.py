@@ -17,6 +17,8 @@ import torch
 from dotted import set_dotted
 from safetensors.torch import load_file
 
+from flowrl.registry import BALANCERS
+from flowrl.sigma_range import TRAINS_ON
 from flowrl.trainers import TRAINERS, build_config, build_trainer
 from flowrl.training.checkpoint import load_checkpoint
 
@@ -151,3 +153,19 @@ def test_resume_from_a_checkpoint_ends_bit_for_bit_where_the_run_ends(tmp_path, 
     assert files == sorted(f.name for f in folders[1].glob("*.safetensors"))
     for name in files:
         assert_same(load_file(str(folders[0] / name)), load_file(str(folders[1] / name)), name)
+
+
+@pytest.mark.parametrize("name", sorted(TRAINERS))
+def test_every_recipe_declares_what_other_modules_read(name):
+    """What `flowrl plan`, the σ-range check and the composition checks read instead of testing trainer names."""
+    cls = TRAINERS[name]
+    assert cls.name == name
+    assert isinstance(cls.adapter_copies, int) and cls.adapter_copies >= 0
+    assert isinstance(cls.full_reference_copy, bool) and isinstance(cls.cfg_doubles_train_rows, bool)
+    assert cls.trains_on in TRAINS_ON
+
+
+@pytest.mark.parametrize("name", BALANCERS.names())
+def test_every_balancer_declares_whether_it_combines_rewards_linearly(name):
+    assert isinstance(BALANCERS.get(name).combines_rewards_linearly, bool)
+    assert BALANCERS.get(name).combines_rewards_linearly == (name == "weighted_sum")  # the one linear combination

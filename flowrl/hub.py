@@ -57,7 +57,9 @@ def _chain(err: BaseException) -> list[BaseException]:
 def _is_network(err: BaseException) -> bool:
     if isinstance(err, (ConnectionError, TimeoutError)):
         return True
-    return any(c.__name__ in _NETWORK_NAMES and c.__module__.split(".")[0] in _NETWORK_MODULES for c in type(err).__mro__)
+    return any(
+        c.__name__ in _NETWORK_NAMES and c.__module__.split(".")[0] in _NETWORK_MODULES for c in type(err).__mro__
+    )
 
 
 def _status(err: BaseException) -> int | None:
@@ -69,7 +71,9 @@ def _detail(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:100]}" if text else type(err).__name__
 
 
-def explain(err: BaseException, repo_id: str, what: str = "model", filename: str | None = None) -> tuple[str, str] | None:
+def explain(
+    err: BaseException, repo_id: str, what: str = "model", filename: str | None = None
+) -> tuple[str, str] | None:
     """(reason, one-line message) for a hub failure anywhere in `err`'s chain; None for any other error."""
     from huggingface_hub import constants, errors
 
@@ -81,8 +85,8 @@ def explain(err: BaseException, repo_id: str, what: str = "model", filename: str
     if (e := found(errors.GatedRepoError)) is not None:
         if _status(e) == 401:
             return "gated", (
-                f"{subject} is a gated repository and this machine is not logged in to the Hugging Face Hub (HTTP 401); "
-                f"accept its license on {page}, then run `hf auth login` (or set HF_TOKEN)"
+                f"{subject} is a gated repository and this machine is not logged in to the Hugging Face Hub "
+                f"(HTTP 401); accept its license on {page}, then run `hf auth login` (or set HF_TOKEN)"
             )
         return "gated", (
             f"{subject} is a gated repository whose license the account of your token has not accepted "
@@ -91,7 +95,8 @@ def explain(err: BaseException, repo_id: str, what: str = "model", filename: str
     if (e := found(errors.RepositoryNotFoundError)) is not None:
         return "no_repo", (
             f"{subject} does not exist on the Hugging Face Hub, or it is private and this machine cannot see it "
-            f"(HTTP {_status(e) or 404}); check the id (org/name), or run `hf auth login` with an account that can read it"
+            f"(HTTP {_status(e) or 404}); check the id (org/name), or run `hf auth login` with an account that can "
+            "read it"
         )
     local = found(errors.LocalEntryNotFoundError)
     if found(errors.OfflineModeIsEnabled) is not None or (constants.HF_HUB_OFFLINE and (local or found(OSError))):
@@ -101,8 +106,8 @@ def explain(err: BaseException, repo_id: str, what: str = "model", filename: str
         )
     if (e := next((x for x in reversed(chain) if _is_network(x)), None)) is not None:  # the root cause
         return "network", (
-            f"{subject} is not in the local Hugging Face cache and {constants.ENDPOINT} cannot be reached ({_detail(e)}); "
-            f"check the network or proxy (HTTPS_PROXY), or run {get} where there is network and copy "
+            f"{subject} is not in the local Hugging Face cache and {constants.ENDPOINT} cannot be reached "
+            f"({_detail(e)}); check the network or proxy (HTTPS_PROXY), or run {get} where there is network and copy "
             f"{constants.HF_HUB_CACHE} here"
         )
     if local is not None:
@@ -110,7 +115,10 @@ def explain(err: BaseException, repo_id: str, what: str = "model", filename: str
             f"{subject} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and could not be fetched "
             f"({_detail(local)}); run {get} on a machine with network access"
         )
-    missing_file = (getattr(errors, "RemoteEntryNotFoundError", None) or errors.EntryNotFoundError, errors.RevisionNotFoundError)
+    missing_file = (
+        getattr(errors, "RemoteEntryNotFoundError", None) or errors.EntryNotFoundError,
+        errors.RevisionNotFoundError,
+    )
     if (e := found(missing_file)) is not None:
         return "no_file", (
             f"{subject}: the Hugging Face repository has no such file or revision (HTTP {_status(e) or 404}); "

@@ -41,7 +41,8 @@ def _stack(tensors: list[torch.Tensor], paths: list[str], what: str) -> torch.Te
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) > 1:
         raise ValueError(
-            f"{what} have different sizes {sorted(shapes)} ({paths[0]} ...); resize them to one size or score them separately"
+            f"{what} have different sizes {sorted(shapes)} ({paths[0]} ...); resize them to one size or score them "
+            "separately"
         )
     return torch.stack(tensors)
 

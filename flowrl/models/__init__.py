@@ -137,7 +137,9 @@ def _load(path_or_hub_id: str, dtype: torch.dtype, device, sharded: bool = False
 
         for key in kwargs:
             if key != "source_weight":
-                raise ValueError(f"model.{key}={kwargs[key]!r} does not apply to the toy model; its one setting is source_weight")
+                raise ValueError(
+                    f"model.{key}={kwargs[key]!r} does not apply to the toy model; its one setting is source_weight"
+                )
         return load_toy_model(device=device, dtype=dtype, **kwargs)
     path = Path(path_or_hub_id).expanduser()
     if path.exists():
@@ -151,7 +153,8 @@ def _load(path_or_hub_id: str, dtype: torch.dtype, device, sharded: bool = False
         source = path_or_hub_id
     else:
         raise FileNotFoundError(
-            f"model={path_or_hub_id!r} is neither an existing folder nor a hub id (org/name); pass one of those or 'toy'"
+            f"model={path_or_hub_id!r} is neither an existing folder nor a hub id (org/name); pass one of those "
+            "or 'toy'"
         )
     if class_name is not None and class_name not in ADAPTERS:
         raise ValueError(f"pipeline class {class_name!r} is not supported; supported: {', '.join(ADAPTERS)}")

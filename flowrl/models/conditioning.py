@@ -47,15 +47,17 @@ def encode_prompts(
         given = next((p for p in images if p is not None), None)
         if given is not None:
             raise ValueError(
-                f"metadata image={given!r} given to the text-only {model.family} model; drop the prompts' images or use "
-                "an edit / image-to-video model (QwenImageEditPipeline, QwenImageEditPlusPipeline, WanImageToVideoPipeline)"
+                f"metadata image={given!r} given to the text-only {model.family} model; drop the prompts' images or "
+                "use an edit / image-to-video model (QwenImageEditPipeline, QwenImageEditPlusPipeline, "
+                "WanImageToVideoPipeline)"
             )
         return model.encode(prompts, negative_prompt, guidance_scale)
     missing = [i for i, p in enumerate(images) if p is None]
     if missing:
         raise ValueError(
-            f"prompt {prompts[missing[0]]!r} has no source image, which the {model.family} model needs; give every prompt "
-            'one: a JSONL prompts file with {"prompt": ..., "image": path} lines, or `flowrl sample --image PATH`'
+            f"prompt {prompts[missing[0]]!r} has no source image, which the {model.family} model needs; give every "
+            'prompt one: a JSONL prompts file with {"prompt": ..., "image": path} lines, or '
+            "`flowrl sample --image PATH`"
         )
     return model.encode(prompts, negative_prompt, guidance_scale, images=images, size=size)
 
@@ -81,7 +83,7 @@ def source_image(path: str, height: int, width: int):
 def check_aspect(path: str, image_w: int, image_h: int, height: int, width: int) -> None:
     if abs(math.log((image_w / image_h) / (width / height))) > ASPECT_TOLERANCE:
         raise ValueError(
-            f"source image {path!r} is {image_w}x{image_h} (aspect {image_w / image_h:.3f}) but samples are {width}x{height} "
-            f"(aspect {width / height:.3f}): it is resized to the sample's size and would be stretched; crop it to "
-            "the sample's aspect ratio or set sampler.height / sampler.width to its own"
+            f"source image {path!r} is {image_w}x{image_h} (aspect {image_w / image_h:.3f}) but samples are "
+            f"{width}x{height} (aspect {width / height:.3f}): it is resized to the sample's size and would be "
+            "stretched; crop it to the sample's aspect ratio or set sampler.height / sampler.width to its own"
         )

@@ -100,7 +100,9 @@ class Flux2FlowModel(PackedLatentsMixin, PipelineFlowModel):
         latents = self.pipe._unpack_latents_with_ids(latents, ids)  # [N, 4C, h/2, w/2]
         vae = self.pipe.vae
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device, latents.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
+            latents.device, latents.dtype
+        )
         return self.pipe._unpatchify_latents(latents * std + mean)
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,9 @@ class LoRAMixin:
         from safetensors.torch import save_file
 
         tensors = {f"transformer.{k}": v.detach().cpu().contiguous() for k, v in state_dict.items()}
-        save_file(tensors, str(folder / WEIGHT_NAME), metadata={METADATA_KEY: json.dumps(metadata)} if metadata else None)
+        save_file(
+            tensors, str(folder / WEIGHT_NAME), metadata={METADATA_KEY: json.dumps(metadata)} if metadata else None
+        )
 
     def load_lora(self, path: str | Path, adapter_name: str = "default") -> None:
         """Load a LoRA written by save_lora (a folder or its .safetensors file)."""
@@ -119,9 +121,13 @@ class LoRAMixin:
         with safe_open(str(file), framework="pt") as handle:
             metadata = (handle.metadata() or {}).get(METADATA_KEY)
         if metadata is None:
-            raise ValueError(f"lora={str(file)!r} has no adapter config in its metadata; write it with flowrl's save_lora")
+            raise ValueError(
+                f"lora={str(file)!r} has no adapter config in its metadata; write it with flowrl's save_lora"
+            )
         config = json.loads(metadata)
-        self._lora_config = LoraConfig(r=config["r"], lora_alpha=config["lora_alpha"], target_modules=config["target_modules"])
+        self._lora_config = LoraConfig(
+            r=config["r"], lora_alpha=config["lora_alpha"], target_modules=config["target_modules"]
+        )
         self.transformer.add_adapter(self._lora_config, adapter_name=adapter_name)
         state = {k.removeprefix("transformer."): v for k, v in load_file(str(file)).items()}
         set_peft_model_state_dict(self.transformer, state, adapter_name=adapter_name)
@@ -132,7 +138,9 @@ class LoRAMixin:
     def adapter_disabled(self) -> Iterator[None]:
         """The reference (base) model: LoRA layers switched off inside the block, on again after."""
         if not self.has_lora:
-            raise RuntimeError("adapter_disabled() needs a LoRA adapter; with full fine-tuning keep a frozen reference copy")
+            raise RuntimeError(
+                "adapter_disabled() needs a LoRA adapter; with full fine-tuning keep a frozen reference copy"
+            )
         # peft's disable / enable also set requires_grad (off for all, then on for the active adapter only): the
         # trained / frozen split is put back as the recipe set it, whichever adapter is active
         with self._grad_flags_kept():
@@ -161,7 +169,9 @@ class LoRAMixin:
     def adapter_parameters(self, adapter_name: str) -> dict[str, torch.Tensor]:
         """The adapter's parameters by their full name (`...lora_A.<adapter_name>.weight`)."""
         if adapter_name not in self.adapter_names:
-            raise KeyError(f"adapter {adapter_name!r} does not exist; adapters: {', '.join(self.adapter_names) or 'none'}")
+            raise KeyError(
+                f"adapter {adapter_name!r} does not exist; adapters: {', '.join(self.adapter_names) or 'none'}"
+            )
         tag = f".{adapter_name}."
         return {n: p for n, p in self.transformer.named_parameters() if "lora_" in n and tag in n}
 
@@ -185,7 +195,9 @@ class LoRAMixin:
     def using_adapter(self, adapter_name: str) -> Iterator[None]:
         """`velocity` computes with adapter `adapter_name` inside the block (no weights move, no grad flags change)."""
         if adapter_name not in self.adapter_names:
-            raise KeyError(f"adapter {adapter_name!r} does not exist; adapters: {', '.join(self.adapter_names) or 'none'}")
+            raise KeyError(
+                f"adapter {adapter_name!r} does not exist; adapters: {', '.join(self.adapter_names) or 'none'}"
+            )
         previous = self._active()
         self._set_active(adapter_name)
         try:

@@ -62,14 +62,16 @@ class LTX2FlowModel(PipelineFlowModel):
         super().__init__(pipe, device, dtype)
         if not (isinstance(frame_rate, (int, float)) and frame_rate > 0):
             raise ValueError(
-                f"model.family_kwargs.frame_rate={frame_rate!r} must be a positive number of frames per second (e.g. 24)"
+                f"model.family_kwargs.frame_rate={frame_rate!r} must be a positive number of frames per second "
+                "(e.g. 24)"
             )
         for name, value in (("guidance_rescale", guidance_rescale), ("audio_guidance_rescale", audio_guidance_rescale)):
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"model.family_kwargs.{name}={value!r} must be in [0, 1] (0: no rescale)")
         if audio_guidance_scale is not None and audio_guidance_scale < 0:
             raise ValueError(
-                f"model.family_kwargs.audio_guidance_scale={audio_guidance_scale!r} must be >= 0 (or None: the video scale)"
+                f"model.family_kwargs.audio_guidance_scale={audio_guidance_scale!r} must be >= 0 "
+                "(or None: the video scale)"
             )
         for name, value in (
             ("stg_scale", stg_scale),
@@ -88,7 +90,8 @@ class LTX2FlowModel(PipelineFlowModel):
         self.stg_blocks = [int(b) for b in stg_blocks]
         if max(self.stg_scales) > 0 and not self.stg_blocks:
             raise ValueError(
-                "model.family_kwargs.stg_scale > 0 needs stg_blocks, the blocks whose self-attention STG skips (e.g. [28])"
+                "model.family_kwargs.stg_scale > 0 needs stg_blocks, the blocks whose self-attention STG skips "
+                "(e.g. [28])"
             )
         if max(self.stg_scales) > 0 and not self.transformer.config.perturbed_attn:
             raise ValueError(
@@ -97,12 +100,15 @@ class LTX2FlowModel(PipelineFlowModel):
             )
         if any(not 0 <= b < layers for b in self.stg_blocks):
             raise ValueError(
-                f"model.family_kwargs.stg_blocks={list(stg_blocks)} must index the transformer's {layers} blocks (0 to {layers - 1})"
+                f"model.family_kwargs.stg_blocks={list(stg_blocks)} must index the transformer's {layers} blocks "
+                f"(0 to {layers - 1})"
             )
         self.frame_rate = float(frame_rate)
         self.guidance_rescale = float(guidance_rescale)
         self.audio_guidance_scale = audio_guidance_scale
-        self.audio_guidance_rescale = self.guidance_rescale if audio_guidance_rescale is None else float(audio_guidance_rescale)
+        self.audio_guidance_rescale = (
+            self.guidance_rescale if audio_guidance_rescale is None else float(audio_guidance_rescale)
+        )
         self._layouts: dict[int, tuple[int, int, int, int]] = {}  # D -> (F', H', W', audio frames)
 
     # ----------------------------------------------------------------------------------------- prompts
@@ -174,7 +180,8 @@ class LTX2FlowModel(PipelineFlowModel):
             raise ValueError(f"num_frames={num_frames} must be 1 + a multiple of {tf} for LTX-2 (e.g. {2 * tf + 1})")
         if self._audio_frames(num_frames) < 1:
             raise ValueError(
-                f"num_frames={num_frames} at frame_rate={self.frame_rate:g} gives no audio latent frame; use more frames"
+                f"num_frames={num_frames} at frame_rate={self.frame_rate:g} gives no audio latent frame; "
+                "use more frames"
             )
 
     def _audio_frames(self, num_frames: int) -> int:
@@ -230,11 +237,15 @@ class LTX2FlowModel(PipelineFlowModel):
         pipe = self.pipe
         f, h, w, a = self._grid(height, width, num_frames)
         config = self.transformer.config
-        video = randn_tensor((num, config.in_channels, f, h, w), generator=generator, device=self.device, dtype=torch.float32)
+        video = randn_tensor(
+            (num, config.in_channels, f, h, w), generator=generator, device=self.device, dtype=torch.float32
+        )
         video = pipe._pack_latents(video, config.patch_size, config.patch_size_t)  # [N, Lv, Cv]
         audio_vae = pipe.audio_vae.config
         shape = (num, audio_vae.latent_channels, a, audio_vae.mel_bins // pipe.audio_vae_mel_compression_ratio)
-        audio = pipe._pack_audio_latents(randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32))
+        audio = pipe._pack_audio_latents(
+            randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+        )
         return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)  # [N, D]
 
     def split_latents(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,7 +262,9 @@ class LTX2FlowModel(PipelineFlowModel):
         return self._layouts[size]
 
     # ----------------------------------------------------------------------------------------- network
-    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor | float, cond: Cond, guidance_scale: float) -> torch.Tensor:
+    def velocity(
+        self, latents: torch.Tensor, sigma: torch.Tensor | float, cond: Cond, guidance_scale: float
+    ) -> torch.Tensor:
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
         if sigma.ndim == 0:
             sigma = sigma.expand(latents.shape[0])
@@ -315,10 +328,15 @@ class LTX2FlowModel(PipelineFlowModel):
         else:
             conditional = self._forward(video, audio, timestep, *text, layout)
         if stg:
-            terms.append((self.stg_scales, self._forward(video, audio, timestep, *text, layout, stg_blocks=self.stg_blocks)))
+            terms.append(
+                (self.stg_scales, self._forward(video, audio, timestep, *text, layout, stg_blocks=self.stg_blocks))
+            )
         if modality:
             terms.append(
-                ([s - 1 for s in self.modality_scales], self._forward(video, audio, timestep, *text, layout, isolate=True))
+                (
+                    [s - 1 for s in self.modality_scales],
+                    self._forward(video, audio, timestep, *text, layout, isolate=True),
+                )
             )
         s = sigma.view(-1, 1, 1)
         rescales = (self.guidance_rescale, self.audio_guidance_rescale)
@@ -339,10 +357,16 @@ class LTX2FlowModel(PipelineFlowModel):
         f, h, w, _ = self._layout(latents)
         video, _ = self.split_latents(latents)
         config = self.transformer.config
-        video = pipe._unpack_latents(video.float(), f, h, w, config.patch_size, config.patch_size_t)  # [N, C, F', H', W']
+        video = pipe._unpack_latents(
+            video.float(), f, h, w, config.patch_size, config.patch_size_t
+        )  # [N, C, F', H', W']
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         # a timestep-conditioned decoder gets decode_timestep 0 (the pipeline's default, which adds no noise)
-        timestep = torch.zeros(video.shape[0], device=video.device, dtype=vae.dtype) if vae.config.timestep_conditioning else None
+        timestep = (
+            torch.zeros(video.shape[0], device=video.device, dtype=vae.dtype)
+            if vae.config.timestep_conditioning
+            else None
+        )
         frames = vae.decode(video.to(vae.dtype), timestep, return_dict=False)[0]  # [N, 3, F, H, W]
         return (frames.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
 

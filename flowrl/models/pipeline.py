@@ -1,8 +1,9 @@
 """The part every diffusers-backed adapter shares: loading, the prompt cache, LoRA, the reference switch.
 
-A family file (sd3.py, flux.py, flux2.py, sana.py, wan.py, wan_i2v.py, qwen_image.py, qwen_image_edit.py, z_image.py, ltx2.py) subclasses `PipelineFlowModel` and writes only what its
-pipeline does differently: how prompts are encoded, how latents are laid out, how the transformer is
-called and how latents decode. Time arithmetic comes from `flowrl.sde`.
+A family file (sd3.py, flux.py, flux2.py, sana.py, wan.py, wan_i2v.py, qwen_image.py, qwen_image_edit.py,
+z_image.py, ltx2.py) subclasses `PipelineFlowModel` and writes only what its pipeline does differently: how prompts
+are encoded, how latents are laid out, how the transformer is called and how latents decode. Time arithmetic comes
+from `flowrl.sde`.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
         return concat_cond([rows[k] for k in keys])
 
     def set_prompt_cache(self, max_bytes: int, device: str = "model") -> None:
-        """Bound the prompt cache to `max_bytes` (least recently used prompts go first) and keep it on the model's device
-        or the CPU (`device="cpu"`: each batch's rows are copied to the model's device); clears it."""
+        """Bound the prompt cache to `max_bytes` (least recently used prompts go first) and keep it on the model's
+        device or the CPU (`device="cpu"`: each batch's rows are copied to the model's device); clears it."""
         self._cache = PromptCache(max_bytes, device)
 
     def clear_prompt_cache(self) -> None:
@@ -127,7 +128,9 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
         f = self.pipe.vae_scale_factor
         return (self.transformer.config.in_channels, height // f, width // f)
 
-    def prepare_latents(self, num: int, height: int, width: int, generator=None, num_frames: int | None = None) -> torch.Tensor:
+    def prepare_latents(
+        self, num: int, height: int, width: int, generator=None, num_frames: int | None = None
+    ) -> torch.Tensor:
         """Initial noise drawn like the pipeline draws it (in the transformer dtype), returned as float32."""
         from diffusers.utils.torch_utils import randn_tensor
 
@@ -180,7 +183,9 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
         return None
 
     # ----------------------------------------------------------------------------------------- network
-    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor | float, cond: Cond, guidance_scale: float) -> torch.Tensor:
+    def velocity(
+        self, latents: torch.Tensor, sigma: torch.Tensor | float, cond: Cond, guidance_scale: float
+    ) -> torch.Tensor:
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
         if sigma.ndim == 0:
             sigma = sigma.expand(latents.shape[0])
@@ -263,7 +268,8 @@ class PackedLatentsMixin:
         side = int(round(seq_len**0.5))
         if side * side != seq_len:
             raise ValueError(
-                f"cannot infer the latent grid of {seq_len} {self.family} tokens; call latent_shape(height, width) first"
+                f"cannot infer the latent grid of {seq_len} {self.family} tokens; "
+                "call latent_shape(height, width) first"
             )
         return side, side
 
@@ -277,7 +283,9 @@ class PackedLatentsMixin:
 def validate_pipeline_folder(path: str | Path) -> Path:
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"model={str(path)!r} is not a folder; pass a diffusers pipeline folder, a hub id or 'toy'")
+        raise FileNotFoundError(
+            f"model={str(path)!r} is not a folder; pass a diffusers pipeline folder, a hub id or 'toy'"
+        )
     if not (folder / "model_index.json").exists():
         raise FileNotFoundError(
             f"model={str(path)!r} has no model_index.json; pass the folder written by a pipeline's save_pretrained"

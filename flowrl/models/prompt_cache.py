@@ -21,7 +21,9 @@ class PromptCache:
 
     def __init__(self, max_bytes: int = 2 * 1024**3, device: str = "model"):
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
-            raise ValueError(f"model.prompt_cache_max_bytes={max_bytes!r} must be a whole number of bytes >= 0 (e.g. 2147483648)")
+            raise ValueError(
+                f"model.prompt_cache_max_bytes={max_bytes!r} must be a whole number of bytes >= 0 (e.g. 2147483648)"
+            )
         if device not in DEVICES:
             raise ValueError(f"model.prompt_cache_device={device!r} must be one of {', '.join(DEVICES)}")
         self.max_bytes = max_bytes

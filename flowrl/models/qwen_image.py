@@ -3,10 +3,11 @@ with the pipeline's norm-preserving rescale.
 
 The guidance scale is the pipeline's `true_cfg_scale`: with it above 1 each step runs the prompt and the negative
 prompt as two transformer calls, combines them as `neg + s·(cond − neg)` and rescales every token of the result
-to the conditional prediction's norm, as `QwenImagePipeline.__call__` does (docs/models.md#qwen-image). The pipeline trims each prompt's embeddings to its own token count; flowrl pads every prompt to
-`max_sequence_length` with a zero mask instead (the transformer masks those tokens out of attention), so a
-sample's conditioning never depends on which prompts share its batch. Setting `max_sequence_length` lower than
-the pipeline's 512 both truncates long prompts (as the pipeline does) and shortens that padding.
+to the conditional prediction's norm, as `QwenImagePipeline.__call__` does (docs/models.md#qwen-image). The
+pipeline trims each prompt's embeddings to its own token count; flowrl pads every prompt to `max_sequence_length`
+with a zero mask instead (the transformer masks those tokens out of attention), so a sample's conditioning never
+depends on which prompts share its batch. Setting `max_sequence_length` lower than the pipeline's 512 both truncates
+long prompts (as the pipeline does) and shortens that padding.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class QwenImageFlowModel(PackedLatentsMixin, PipelineFlowModel):
 
     def set_max_sequence_length(self, length: int) -> None:
         if isinstance(length, int) and length > 1024:
-            raise ValueError(f"model.max_sequence_length={length} is above Qwen-Image's 1024 text tokens; use at most 1024")
+            raise ValueError(
+                f"model.max_sequence_length={length} is above Qwen-Image's 1024 text tokens; use at most 1024"
+            )
         super().set_max_sequence_length(length)
 
     # ----------------------------------------------------------------------------------------- prompts
@@ -43,13 +46,18 @@ class QwenImageFlowModel(PackedLatentsMixin, PipelineFlowModel):
         """One prompt's embeddings [1, L, D] and mask [1, L], zero-padded to max_sequence_length tokens (`image`:
         the edit pipelines' prompt image)."""
         embeds, mask = self.pipe.encode_prompt(
-            prompt=[prompt], device=self.device, num_images_per_prompt=1, max_sequence_length=self.max_sequence_length, **image
+            prompt=[prompt],
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+            **image,
         )
         length = embeds.shape[1]
         if length > self.max_sequence_length:  # the edit pipelines do not truncate (their prompt holds the image)
             raise ValueError(
                 f"prompt {prompt[:40]!r} encodes to {length} text tokens (with its image), above "
-                f"model.max_sequence_length={self.max_sequence_length}; raise model.max_sequence_length to {length} or more"
+                f"model.max_sequence_length={self.max_sequence_length}; raise model.max_sequence_length to {length} "
+                "or more"
             )
         if mask is None:  # the pipeline drops an all-ones mask
             mask = torch.ones(1, length, dtype=torch.long, device=embeds.device)
@@ -138,7 +146,9 @@ class QwenImageFlowModel(PackedLatentsMixin, PipelineFlowModel):
         seq_len = latents.shape[1]
         hidden, img_shapes = self._transformer_input(latents, cond)
         timestep = timesteps_from_sigmas(sigma).to(latents.dtype) / 1000  # the pipeline's t / 1000
-        out = self._forward(hidden, timestep, cond["prompt_embeds"], cond["prompt_embeds_mask"], img_shapes)[:, :seq_len]
+        out = self._forward(hidden, timestep, cond["prompt_embeds"], cond["prompt_embeds_mask"], img_shapes)[
+            :, :seq_len
+        ]
         if self.uses_cfg(guidance_scale):
             neg = self._forward(
                 hidden, timestep, cond["negative_prompt_embeds"], cond["negative_prompt_embeds_mask"], img_shapes

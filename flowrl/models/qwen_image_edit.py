@@ -33,7 +33,9 @@ class QwenImageEditFlowModel(QwenImageFlowModel):
         super(QwenImageFlowModel, self).set_max_sequence_length(length)
 
     def _encode_batch(self, prompts, negative_prompt):
-        raise ValueError(f"the {self.family} model needs a source image per prompt; encode through flowrl.models.conditioning")
+        raise ValueError(
+            f"the {self.family} model needs a source image per prompt; encode through flowrl.models.conditioning"
+        )
 
     def _prompt_image(self, image, height: int, width: int):
         """The copy of the source the prompt holds: Edit's VAE-sized image, Edit Plus' own 384x384-area one."""
@@ -57,7 +59,9 @@ class QwenImageEditFlowModel(QwenImageFlowModel):
             )
         vae_input = image if self.plus else self.pipe.image_processor.resize(image, height, width)
         pixels = self.pipe.image_processor.preprocess(vae_input, height, width).unsqueeze(2)  # [1, 3, 1, H, W]
-        latents = self.pipe._encode_vae_image(pixels.to(self.device, self.pipe.vae.dtype), generator=None)  # [1, C, 1, h, w]
+        latents = self.pipe._encode_vae_image(
+            pixels.to(self.device, self.pipe.vae.dtype), generator=None
+        )  # [1, C, 1, h, w]
         c, h, w = latents.shape[1], latents.shape[3], latents.shape[4]
         self.latent_shape(height, width)  # records the source grid (the sample's)
         cond["image_latents"] = self.pipe._pack_latents(latents, 1, c, h, w)  # [1, L_src, 4C]

@@ -23,7 +23,9 @@ class SanaFlowModel(PipelineFlowModel):
     def __init__(self, pipe, device="cpu", dtype=torch.float32):
         super().__init__(pipe, device, dtype)
         # The pipeline's default instruction prepended to every prompt (part of what SANA was trained on).
-        self.complex_human_instruction = inspect.signature(type(pipe).__call__).parameters["complex_human_instruction"].default
+        self.complex_human_instruction = (
+            inspect.signature(type(pipe).__call__).parameters["complex_human_instruction"].default
+        )
         self.scheduler_config = _flow_euler_config(pipe.scheduler.config)
 
     def sigmas(self, num_steps, height, width, num_frames=None):
@@ -83,4 +85,7 @@ def _flow_euler_config(config) -> dict:
     """A FlowMatchEulerDiscreteScheduler config for a SANA checkpoint's scheduler config."""
     if config.get("_class_name") == "FlowMatchEulerDiscreteScheduler":
         return dict(config)
-    return {"num_train_timesteps": config.get("num_train_timesteps", 1000), "shift": float(config.get("flow_shift", 1.0) or 1.0)}
+    return {
+        "num_train_timesteps": config.get("num_train_timesteps", 1000),
+        "shift": float(config.get("flow_shift", 1.0) or 1.0),
+    }

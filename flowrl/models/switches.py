@@ -1,6 +1,8 @@
-"""The memory and speed switches of the `model:` config section, applied to a built adapter (docs/models.md#memory-and-speed).
+"""The memory and speed switches of the `model:` config section, applied to a built adapter
+(docs/models.md#memory-and-speed).
 
-- `prompt_cache_max_bytes`, `prompt_cache_device`: the encoded-prompt cache's bound and home (flowrl.models.prompt_cache);
+- `prompt_cache_max_bytes`, `prompt_cache_device`: the encoded-prompt cache's bound and home
+  (flowrl.models.prompt_cache);
 - `offload_text_encoders`: text encoders on the CPU between encode calls (flowrl.models.placement);
 - `vae_slicing`, `vae_tiling`: diffusers' VAE switches (decode a chunk one sample at a time / in overlapping tiles);
 - `attention_backend`: sdpa (PyTorch's, diffusers' default) or xformers;
@@ -41,7 +43,8 @@ def apply_switches(model, model_cfg) -> None:
         changed = [key for key, value in settings.items() if value != DEFAULTS[key] and key not in GLOBAL]
         if changed:
             raise ValueError(
-                f"model.{changed[0]}={settings[changed[0]]!r} does not apply to the {model.family} model; leave it unset"
+                f"model.{changed[0]}={settings[changed[0]]!r} does not apply to the {model.family} model; "
+                "leave it unset"
             )
     else:
         _apply_pipeline_switches(model, settings, device)
@@ -85,7 +88,8 @@ def xformers_problem(device: torch.device) -> str | None:
         info = getattr(failure, "build_info", None)
         built = f"torch {info.torch_version}" if info is not None else "another torch"
         return (
-            f"xformers {xformers.__version__} was built for {built} and its kernels do not load beside torch {torch.__version__}"
+            f"xformers {xformers.__version__} was built for {built} and its kernels do not load beside "
+            f"torch {torch.__version__}"
         )
     if device.type != "cuda":
         return f"xformers attention runs on CUDA only, and the model is on {device.type}"

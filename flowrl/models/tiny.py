@@ -17,11 +17,28 @@ import torch
 
 from flowrl.models.tiny_ltx2 import build_ltx2
 from flowrl.models.tiny_qwen import build_qwen_image, build_qwen_image_edit
-from flowrl.models.tiny_tokenizers import QWEN3_CHAT_TEMPLATE, clip_tokenizer, gemma_tokenizer, qwen2_tokenizer, t5_tokenizer
+from flowrl.models.tiny_tokenizers import (
+    QWEN3_CHAT_TEMPLATE,
+    clip_tokenizer,
+    gemma_tokenizer,
+    qwen2_tokenizer,
+    t5_tokenizer,
+)
 
 # the families the shared model tests run on; those conditioned on a source image per sample (qwen_image_edit,
 # qwen_image_edit_plus, wan_i2v) and the joint video + audio one (ltx2) have tests of their own
-FAMILIES = ("sd3", "flux", "sana", "wan", "wan22_a14b", "wan22_ti2v", "qwen_image", "flux2_klein", "flux2_dev", "z_image")
+FAMILIES = (
+    "sd3",
+    "flux",
+    "sana",
+    "wan",
+    "wan22_a14b",
+    "wan22_ti2v",
+    "qwen_image",
+    "flux2_klein",
+    "flux2_dev",
+    "z_image",
+)
 
 
 def _clip_text_config():
@@ -256,7 +273,9 @@ def build_wan(folder: Path, two_experts: bool = False, expand_timesteps: bool = 
     torch.manual_seed(0)
     transformer = _tiny_wan_transformer()
     experts = {"transformer_2": _tiny_wan_transformer(), "boundary_ratio": 0.7} if two_experts else {}
-    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
     pipe = WanPipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
@@ -273,7 +292,12 @@ def build_wan(folder: Path, two_experts: bool = False, expand_timesteps: bool = 
 def build_wan_i2v(folder: Path) -> Path:
     """Wan 2.1 image-to-video (WanImageToVideoPipeline): the Wan 2.1 parts, a transformer over 16 noise + 4 mask + 16
     condition channels with an image embedding, and a 1-layer CLIP vision encoder (65 tokens of a 32x32 crop)."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanImageToVideoPipeline,
+        WanTransformer3DModel,
+    )
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5EncoderModel
 
     torch.manual_seed(0)
@@ -293,7 +317,9 @@ def build_wan_i2v(folder: Path) -> Path:
         image_dim=8,
         added_kv_proj_dim=24,
     )
-    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
     image_encoder = CLIPVisionModel(
         CLIPVisionConfig(
             hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=4
@@ -355,7 +381,10 @@ def build_flux2_dev(folder: Path) -> Path:
     tokenizer.add_special_tokens(
         {"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]}
     )
-    template = "{% for m in messages %}[{{ m['role'] }}]{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}"
+    template = (
+        "{% for m in messages %}[{{ m['role'] }}]{% for c in m['content'] %}"
+        "{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}"
+    )
     processor = PixtralProcessor(
         image_processor=PixtralImageProcessor(), tokenizer=tokenizer, chat_template=template, patch_size=16
     )
@@ -390,7 +419,9 @@ def build_flux2_dev(folder: Path) -> Path:
     )
     vae, transformer = _tiny_flux2_parts(guidance_embeds=True)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
-    pipe = Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=processor, transformer=transformer)
+    pipe = Flux2Pipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=processor, transformer=transformer
+    )
     pipe.save_pretrained(folder)
     return folder
 

@@ -34,7 +34,13 @@ def _tiny_qwen_vl(tokenizer, vision_tokens: bool = False):
                 "eos_token_id": eos,
                 "pad_token_id": pad,
             },
-            vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
+            vision_config={
+                "depth": 1,
+                "hidden_size": 16,
+                "intermediate_size": 16,
+                "num_heads": 2,
+                "out_hidden_size": 16,
+            },
             vocab_size=len(tokenizer),
             bos_token_id=pad,
             eos_token_id=eos,
@@ -110,7 +116,9 @@ def build_qwen_image_edit(folder: Path, plus: bool = False) -> Path:
     tokenizer.add_tokens([*VL_TOKENS, "<|vision_end|>"], special_tokens=True)
     text_encoder = _tiny_qwen_vl(tokenizer, vision_tokens=True)
     image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56)
-    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor())
+    processor = Qwen2VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor()
+    )
     vae, transformer, scheduler = _tiny_qwen_image_parts()
     cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
     pipe = cls(

@@ -12,7 +12,9 @@ from pathlib import Path
 
 def _byte_unicode_table() -> list[str]:
     """The 256 printable stand-ins for bytes used by byte-level BPE vocabularies (GPT-2/CLIP convention)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     table, extra = {}, 0
     for b in range(256):
         if b in printable:

@@ -14,9 +14,9 @@ cross-attention bind "red" to "circles". It is trained jointly during pretrainin
 Training drops the prompt to "" 10% of the time, so classifier-free guidance is meaningful.
 
 Toy image-to-video ("toy I2V"): `source_weight` W > 0 conditions the model on a source image as well (a one-frame
-image-to-video model; `conditioning = "image"`, the source from `metadata["image"]`, docs/models.md#conditioning-images).
-The UNet is not retrained: `velocity` pulls the denoised estimate toward the source in proportion to the noise level
-(see `ToyFlowModel.velocity`).
+image-to-video model; `conditioning = "image"`, the source from `metadata["image"]`,
+docs/models.md#conditioning-images). The UNet is not retrained: `velocity` pulls the denoised estimate toward the
+source in proportion to the noise level (see `ToyFlowModel.velocity`).
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
         source_weight: float = 0.0,
     ):
         if not source_weight >= 0.0:
-            raise ValueError(f"model.family_kwargs.source_weight={source_weight!r} must be >= 0 (0: the text-only model)")
+            raise ValueError(
+                f"model.family_kwargs.source_weight={source_weight!r} must be >= 0 (0: the text-only model)"
+            )
         self.device = torch.device(device)
         self.dtype = dtype
         # (diffusers warns on any .to(dtype), so cast only when the dtype changes)
@@ -170,8 +172,8 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
                 raise ValueError(f"images={images[:1]!r}...: the {self.family} model is text-only; pass no images")
         elif images is None or size is None or len(images) != len(prompts) or any(i is None for i in images):
             raise ValueError(
-                f"the {self.family} model with source_weight={self.source_weight} needs one source image per prompt and "
-                "the sample size; encode through flowrl.models.conditioning.encode_prompts"
+                f"the {self.family} model with source_weight={self.source_weight} needs one source image per prompt "
+                "and the sample size; encode through flowrl.models.conditioning.encode_prompts"
             )
         cond = {"prompt_embeds": self._cached(list(prompts))}  # [N, L, D]
         if guidance_scale > 1.0:
@@ -205,7 +207,9 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
         """(height, width, num_frames) the model was trained at."""
         return IMAGE_SIZE, IMAGE_SIZE, None
 
-    def latent_shape(self, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE, num_frames: int | None = None) -> tuple[int, ...]:
+    def latent_shape(
+        self, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE, num_frames: int | None = None
+    ) -> tuple[int, ...]:
         if height % 8 or width % 8 or height <= 0 or width <= 0:
             raise ValueError(f"toy model height={height} width={width}: use positive multiples of 8 (trained at 32)")
         return (3, height, width)
@@ -215,10 +219,14 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
     ) -> torch.Tensor:
         shape = self.latent_shape(height, width)
         if isinstance(generator, list):
-            return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generator]).to(self.device)
+            return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generator]).to(
+                self.device
+            )
         return torch.randn((num, *shape), generator=generator, dtype=torch.float32).to(self.device)  # [N, 3, H, W]
 
-    def sigmas(self, num_steps: int, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE, num_frames=None) -> torch.Tensor:
+    def sigmas(
+        self, num_steps: int, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE, num_frames=None
+    ) -> torch.Tensor:
         """[T+1]: FLUX-style custom grid linspace(1, 1/T, T) through the scheduler, then 0 (all steps useful)."""
         grid = np.linspace(1.0, 1.0 / num_steps, num_steps)
         return scheduler_sigmas(SCHEDULER_CONFIG, num_steps, sigmas=grid)
@@ -255,11 +263,15 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
         x = latents.to(self.dtype)
         if guidance_scale > 1.0:
             if "negative_prompt_embeds" not in cond:
-                raise ValueError(f"guidance_scale={guidance_scale} needs cond from encode(..., guidance_scale={guidance_scale})")
+                raise ValueError(
+                    f"guidance_scale={guidance_scale} needs cond from encode(..., guidance_scale={guidance_scale})"
+                )
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])  # [2N, L, D]
             x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
         with self.autocast():
-            out = unpack(self.transformer(pack(x), sigma * 1000.0, encoder_hidden_states=embeds.to(self.dtype)).sample).float()
+            out = unpack(
+                self.transformer(pack(x), sigma * 1000.0, encoder_hidden_states=embeds.to(self.dtype)).sample
+            ).float()
         if guidance_scale > 1.0:
             uncond, text = out.chunk(2)
             return uncond + guidance_scale * (text - uncond)  # [N, 3, H, W]
@@ -283,7 +295,9 @@ def toy_model_from_state_dict(
     state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32, source_weight: float = 0.0
 ) -> ToyFlowModel:
     unet, text_encoder = build_unet(), build_text_encoder()
-    unet.load_state_dict({k[len("transformer.") :]: v.float() for k, v in state.items() if k.startswith("transformer.")})
+    unet.load_state_dict(
+        {k[len("transformer.") :]: v.float() for k, v in state.items() if k.startswith("transformer.")}
+    )
     text_encoder.load_state_dict(
         {k[len("text_encoder.") :]: v.float() for k, v in state.items() if k.startswith("text_encoder.")}, strict=False
     )

@@ -87,13 +87,20 @@ class WanFlowModel(PipelineFlowModel):
         return module(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
 
     def _two_experts(self) -> bool:
-        return self.pipe.config.get("boundary_ratio", None) is not None and getattr(self.pipe, "transformer_2", None) is not None
+        return (
+            self.pipe.config.get("boundary_ratio", None) is not None
+            and getattr(self.pipe, "transformer_2", None) is not None
+        )
 
     def _high_noise(self, sigma: torch.Tensor) -> torch.Tensor:
-        """[N] bool: the rows the high-noise expert (`pipe.transformer`) runs, t ≥ boundary_ratio·1000 as the pipeline."""
+        """[N] bool: the rows the high-noise expert (`pipe.transformer`) runs, t ≥ boundary_ratio·1000 as the
+        pipeline."""
         from flowrl.sde import timesteps_from_sigmas
 
-        return timesteps_from_sigmas(sigma) >= self.pipe.config.boundary_ratio * self.pipe.scheduler.config.num_train_timesteps
+        return (
+            timesteps_from_sigmas(sigma)
+            >= self.pipe.config.boundary_ratio * self.pipe.scheduler.config.num_train_timesteps
+        )
 
     def trainable_sigma_range(self) -> tuple[float, float]:
         """[lo, hi]: the σ (float32) at which `velocity` runs the trained expert; (0, 1) with one expert. High:

@@ -26,8 +26,9 @@ class WanI2VFlowModel(WanFlowModel):
     def __init__(self, pipe, device="cpu", dtype=torch.float32, train_expert: str = "high"):
         if pipe.config.get("expand_timesteps", False):
             raise ValueError(
-                "WanImageToVideoPipeline with expand_timesteps (Wan 2.2 TI2V-5B's image-to-video mode) is not supported; "
-                "use the checkpoint as a text-to-video WanPipeline, or a Wan 2.1 / 2.2 A14B image-to-video checkpoint"
+                "WanImageToVideoPipeline with expand_timesteps (Wan 2.2 TI2V-5B's image-to-video mode) is not "
+                "supported; use the checkpoint as a text-to-video WanPipeline, or a Wan 2.1 / 2.2 A14B image-to-video "
+                "checkpoint"
             )
         super().__init__(pipe, device, dtype, train_expert)
 
@@ -40,7 +41,9 @@ class WanI2VFlowModel(WanFlowModel):
         return (self.pipe.vae.config.z_dim, f, h, w)  # the noise's channels (the transformer's are noise + condition)
 
     def _encode_batch(self, prompts, negative_prompt):
-        raise ValueError(f"the {self.family} model needs a source image per prompt; encode through flowrl.models.conditioning")
+        raise ValueError(
+            f"the {self.family} model needs a source image per prompt; encode through flowrl.models.conditioning"
+        )
 
     def _encode_source(self, prompt: str, negative_prompt: str | None, path: str, size: tuple) -> Cond:
         height, width, num_frames = size

@@ -30,7 +30,9 @@ def assert_checkpointing_keeps_lora_gradients(model, x: torch.Tensor, cond) -> N
         model.transformer.zero_grad()
         model.velocity(x, torch.tensor([0.7, 0.4]), cond, 3.0).square().mean().backward()
         # (Qwen-Image's last block still updates the text stream, which nothing reads: its to_add_out gets no gradient)
-        return {n: p.grad.clone() for n, p in model.transformer.named_parameters() if p.requires_grad and p.grad is not None}
+        return {
+            n: p.grad.clone() for n, p in model.transformer.named_parameters() if p.requires_grad and p.grad is not None
+        }
 
     plain = grads()
     model.enable_gradient_checkpointing()

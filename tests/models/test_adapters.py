@@ -72,7 +72,9 @@ def test_sigma_grid_equals_pipeline_scheduler(tiny_model, family, steps):
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         c = scheduler.config
-        mu = calculate_shift(model.image_seq_len(h, w), c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+        mu = calculate_shift(
+            model.image_seq_len(h, w), c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift
+        )
         kwargs = {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": mu}
     if family == "z_image":  # ZImagePipeline's default grid: a float32 linspace (static shift, so no μ)
         kwargs = {"sigmas": torch.linspace(1.0, 1 / steps, steps).tolist()}
@@ -302,7 +304,9 @@ def test_sample_cli_max_sequence_length_equals_the_pipeline(tiny_pipeline, tmp_p
     pipe = DiffusionPipeline.from_pretrained(tiny_pipeline("sd3"))
     image = pipeline_call(pipe, "sd3", PROMPTS[1:], SEEDS[1:], 3, 4.5, "pt", max_sequence_length=8)[0]
     expected = (image * 255).round().clamp(0, 255).byte().permute(1, 2, 0).numpy()
-    assert np.abs(np.asarray(Image.open(png)).astype(int) - expected.astype(int)).max() <= 1  # uint8 rounding of 1e-4 differences
+    assert (
+        np.abs(np.asarray(Image.open(png)).astype(int) - expected.astype(int)).max() <= 1
+    )  # uint8 rounding of 1e-4 differences
 
 
 @pytest.mark.parametrize("family", FAMILIES)

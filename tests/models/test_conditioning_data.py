@@ -54,7 +54,9 @@ def test_jsonl_prompts_keep_every_extra_key_with_the_image_resolved(jsonl, tmp_p
 
 def test_every_sample_of_a_group_carries_its_prompts_record(jsonl):
     prompts, metadata = load_prompt_records(None, str(jsonl), None, "data")
-    batch = GroupedPromptSampler(prompts, num_prompts_per_step=2, group_size=3, seed=0, metadata=metadata).global_batch(4)
+    batch = GroupedPromptSampler(prompts, num_prompts_per_step=2, group_size=3, seed=0, metadata=metadata).global_batch(
+        4
+    )
     for prompt, meta in zip(batch.prompts, batch.metadata):
         assert meta == metadata[prompts.index(prompt)]
     batch.metadata[0]["tag"] = "changed"  # each sample owns its dict

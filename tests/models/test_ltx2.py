@@ -40,7 +40,9 @@ def ode(steps, guidance, decode=True):
     return SAMPLERS.get("ode")(num_steps=steps, height=H, width=W, num_frames=F, guidance_scale=guidance, decode=decode)
 
 
-def pipeline_call(pipe, steps, guidance, output_type, prompts=PROMPTS, seeds=SEEDS, rescale=0.0, audio_scale=None, **extra):
+def pipeline_call(
+    pipe, steps, guidance, output_type, prompts=PROMPTS, seeds=SEEDS, rescale=0.0, audio_scale=None, **extra
+):
     """LTX2Pipeline with CFG (and its rescale) only: STG and modality-isolation guidance off for both modalities.
     The pipeline reads a falsy audio setting as "the video value"; None passes that."""
     return pipe(
@@ -67,8 +69,12 @@ def pipeline_state(pipe, out):
     """The pipeline's latent output (denormalised video [N, C, F', H', W'] and audio [N, C, L, M]) as flowrl's state:
     normalised, packed, video tokens then audio tokens."""
     vae, audio_vae = pipe.vae, pipe.audio_vae
-    video = pipe._pack_latents(pipe._normalize_latents(out.frames, vae.latents_mean, vae.latents_std, vae.config.scaling_factor))
-    audio = pipe._normalize_audio_latents(pipe._pack_audio_latents(out.audio), audio_vae.latents_mean, audio_vae.latents_std)
+    video = pipe._pack_latents(
+        pipe._normalize_latents(out.frames, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    )
+    audio = pipe._normalize_audio_latents(
+        pipe._pack_audio_latents(out.audio), audio_vae.latents_mean, audio_vae.latents_std
+    )
     return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
 
@@ -104,7 +110,8 @@ def test_initial_latents_are_the_pipelines_video_then_audio_noise(model):
     ids=["no-guidance", "cfg", "cfg-rescale-audio7"],
 )
 def test_ode_sampler_matches_the_pipeline(folder, guidance, options):
-    """Same prompts, seeds, steps and guidance: frames, video and audio latents and the waveform equal the pipeline's."""
+    """Same prompts, seeds, steps and guidance: frames, video and audio latents and the waveform equal the
+    pipeline's."""
     model = load_flow_model(folder, max_sequence_length=SHORT, **options)
     rollout = ode(3, guidance)(model, batch())
     extra = {"rescale": options.get("guidance_rescale", 0.0), "audio_scale": options.get("audio_guidance_scale")}
@@ -127,13 +134,15 @@ def test_ode_sampler_matches_the_pipeline(folder, guidance, options):
         # the pipeline's own defaults (CFG 3 with rescale 0.7, audio CFG 7, STG 1, modality 3), STG at the tiny's block
         (
             3.0,
-            {"guidance_rescale": 0.7, "audio_guidance_scale": 7.0, "stg_scale": 1.0, "stg_blocks": [0], "modality_scale": 3.0},
+            {"guidance_rescale": 0.7, "audio_guidance_scale": 7.0, "stg_scale": 1.0, "stg_blocks": [0],
+             "modality_scale": 3.0},
             {},
         ),
         # STG and modality isolation without CFG, audio scales of their own
         (
             1.0,
-            {"stg_scale": 0.5, "audio_stg_scale": 2.0, "stg_blocks": [0], "modality_scale": 2.0, "audio_modality_scale": 1.5},
+            {"stg_scale": 0.5, "audio_stg_scale": 2.0, "stg_blocks": [0], "modality_scale": 2.0,
+             "audio_modality_scale": 1.5},
             {"audio_guidance_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_rescale": None, "stg_scale": 0.5,
              "audio_stg_scale": 2.0, "modality_scale": 2.0, "audio_modality_scale": 1.5},
         ),
@@ -176,7 +185,9 @@ def test_guidance_rescale_equals_diffusers():
     g = torch.Generator().manual_seed(0)
     guided, conditional = torch.randn(2, 7, 3, generator=g) * 3, torch.randn(2, 7, 3, generator=g)
     for phi in (0.0, 0.7, 1.0):
-        torch.testing.assert_close(rescale_guidance(guided, conditional, phi), rescale_noise_cfg(guided, conditional, phi))
+        torch.testing.assert_close(
+            rescale_guidance(guided, conditional, phi), rescale_noise_cfg(guided, conditional, phi)
+        )
     # phi = 1: each sample's standard deviation becomes the conditional one's
     out = rescale_guidance(guided, conditional, 1.0)
     torch.testing.assert_close(out.flatten(1).std(dim=1), conditional.flatten(1).std(dim=1))
@@ -214,7 +225,9 @@ def test_lora_saved_by_flowrl_changes_the_pipeline_output_identically(folder, tm
     torch.testing.assert_close(after, with_lora, rtol=0, atol=1e-4)
     reloaded = load_flow_model(folder, max_sequence_length=SHORT)
     reloaded.load_lora(tmp_path / "lora")
-    torch.testing.assert_close(sampler(reloaded, batch(PROMPTS[:1], SEEDS[:1])).latents[:, -1], with_lora, rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        sampler(reloaded, batch(PROMPTS[:1], SEEDS[:1])).latents[:, -1], with_lora, rtol=0, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -242,7 +255,9 @@ def test_tiny_pipeline_round_trips_offline(folder, tmp_path):
     a, b = (pipeline_call(p, 2, 3.0, "latent", **call) for p in (pipe, again))
     torch.testing.assert_close(a.frames, b.frames, rtol=0, atol=0)
     torch.testing.assert_close(a.audio, b.audio, rtol=0, atol=0)
-    assert type(again).__name__ == "LTX2Pipeline" and len(again.tokenizer) > 90  # a real tokenizer, not an empty stand-in
+    assert (
+        type(again).__name__ == "LTX2Pipeline" and len(again.tokenizer) > 90
+    )  # a real tokenizer, not an empty stand-in
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -275,7 +290,10 @@ def test_settings_it_does_not_support_are_refused(model, folder, options, match)
 
 @pytest.mark.parametrize(
     "size,match",
-    [((48, 32, 5), "height=48 is not a positive multiple of 32"), ((32, 32, 4), "num_frames=4 must be 1 \\+ a multiple of 2")],
+    [
+        ((48, 32, 5), "height=48 is not a positive multiple of 32"),
+        ((32, 32, 4), "num_frames=4 must be 1 \\+ a multiple of 2"),
+    ],
 )
 def test_sizes_the_pipeline_refuses(model, size, match):
     with pytest.raises(ValueError, match=match):

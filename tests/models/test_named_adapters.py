@@ -15,10 +15,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as in test_adapters.
 
 def latents_and_velocity(model, family):
     """A fixed input's velocity (guidance 1) with whatever adapter is active."""
-    shape = model.latent_shape(*TINY_SIZES[family][:2], TINY_SIZES[family][2]) if family != "toy" else model.latent_shape(32, 32)
+    shape = (
+        model.latent_shape(*TINY_SIZES[family][:2], TINY_SIZES[family][2])
+        if family != "toy"
+        else model.latent_shape(32, 32)
+    )
     x = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0))
     cond = model.encode(["two red circles"] if family == "toy" else PROMPTS[:1])
-    return model.velocity(x, torch.tensor([0.8]), cond, 1.0).detach()  # above Wan 2.2 A14B's boundary (0.7): the trained expert
+    return model.velocity(
+        x, torch.tensor([0.8]), cond, 1.0
+    ).detach()  # above Wan 2.2 A14B's boundary (0.7): the trained expert
 
 
 def flags(model):

@@ -12,7 +12,13 @@ from flowrl.models import load_flow_model, pretrained_dtype
 
 @pytest.mark.parametrize(
     "version, keyword",
-    [("0.35.0", "torch_dtype"), ("0.39.0", "torch_dtype"), ("0.40.0", "dtype"), ("0.42.1", "dtype"), ("0.43.0.dev0", "dtype")],
+    [
+        ("0.35.0", "torch_dtype"),
+        ("0.39.0", "torch_dtype"),
+        ("0.40.0", "dtype"),
+        ("0.42.1", "dtype"),
+        ("0.43.0.dev0", "dtype"),
+    ],
 )
 def test_pretrained_dtype_keyword_per_diffusers_version(monkeypatch, version, keyword):
     import diffusers

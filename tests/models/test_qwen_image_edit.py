@@ -92,14 +92,23 @@ def test_sigma_grid_and_initial_latents_equal_the_pipeline(models, family, sourc
     model = models(family)
     scheduler = model.pipe.scheduler
     c = scheduler.config
-    mu = calculate_shift(model.image_seq_len(H, W), c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+    mu = calculate_shift(
+        model.image_seq_len(H, W), c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift
+    )
     scheduler.set_timesteps(3, sigmas=np.linspace(1.0, 1 / 3, 3), mu=mu)  # what the pipelines hand their scheduler
     torch.testing.assert_close(model.sigmas(3, H, W), scheduler.sigmas.float(), rtol=0, atol=1e-6)
     # the same seed gives the pipeline's noise; the source's latents are the pipeline's, packed the same way
     pipe = model.pipe
     pixels = pipe.image_processor.preprocess(Image.open(source).convert("RGB"), H, W).unsqueeze(2)
     noise, image_latents = pipe.prepare_latents(
-        pixels, 1, pipe.transformer.config.in_channels // 4, H, W, torch.float32, "cpu", torch.Generator().manual_seed(SEED)
+        pixels,
+        1,
+        pipe.transformer.config.in_channels // 4,
+        H,
+        W,
+        torch.float32,
+        "cpu",
+        torch.Generator().manual_seed(SEED),
     )
     ours = model.prepare_latents(1, H, W, torch.Generator().manual_seed(SEED))
     torch.testing.assert_close(ours, noise, rtol=0, atol=0)
@@ -125,7 +134,9 @@ def test_ode_sampler_matches_the_pipeline_with_the_same_source_image(models, fam
 
 
 @pytest.mark.parametrize("family", EDIT)
-def test_lora_saved_by_flowrl_changes_the_pipeline_output_identically(tiny_pipeline, family, source, sample_area, tmp_path):
+def test_lora_saved_by_flowrl_changes_the_pipeline_output_identically(
+    tiny_pipeline, family, source, sample_area, tmp_path
+):
     model = load_flow_model(tiny_pipeline(family), max_sequence_length=512)
     model.add_lora(rank=4, alpha=8, init_lora_weights=False)
     sampler = SAMPLERS.get("ode")(num_steps=STEPS, height=H, width=W, guidance_scale=SCALE, decode=False)
@@ -145,7 +156,11 @@ def test_lora_saved_by_flowrl_changes_the_pipeline_output_identically(tiny_pipel
 
 @pytest.mark.parametrize("family, dtype", [(f, "float32") for f in EDIT] + [("qwen_image_edit", "bfloat16")])
 def test_on_policy_ratio_is_exactly_one(models, tiny_pipeline, family, dtype, source):
-    model = models(family) if dtype == "float32" else load_flow_model(tiny_pipeline(family), dtype=dtype, max_sequence_length=512)
+    model = (
+        models(family)
+        if dtype == "float32"
+        else load_flow_model(tiny_pipeline(family), dtype=dtype, max_sequence_length=512)
+    )
     r = SAMPLERS.get("sde")(num_steps=3, height=H, width=W, guidance_scale=SCALE, noise_level=0.8, decode=False)(
         model, batch(source, prompts=(PROMPT, "add a moon"), seeds=(1, 2))
     )
@@ -155,7 +170,9 @@ def test_on_policy_ratio_is_exactly_one(models, tiny_pipeline, family, dtype, so
 # ------------------------------------------------------------------------------------------- bad input
 def test_an_edit_model_without_a_source_image(models):
     sampler = SAMPLERS.get("ode")(num_steps=2, height=H, width=W)
-    with pytest.raises(ValueError, match=r"prompt 'make the sky red' has no source image, which the qwen_image_edit model"):
+    with pytest.raises(
+        ValueError, match=r"prompt 'make the sky red' has no source image, which the qwen_image_edit model"
+    ):
         sampler(models("qwen_image_edit"), PromptBatch([PROMPT], torch.arange(1), seeds=torch.tensor([0])))
 
 

@@ -83,7 +83,9 @@ def test_sample_video_writes_a_clip_and_a_strip(tiny_pipeline, tmp_path):
 def test_sample_bad_input_is_one_line(tiny_pipeline, tmp_path, capsys, args, message):
     base = {"--model": tiny_pipeline("sd3"), "--height": "32"}
     base.update(dict(zip(args[::2], args[1::2])))
-    argv = ["sample", "--prompt", "x", "--num-steps", "1", "--out", str(tmp_path)] + [x for kv in base.items() for x in kv]
+    argv = ["sample", "--prompt", "x", "--num-steps", "1", "--out", str(tmp_path)] + [
+        x for kv in base.items() for x in kv
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # (loading progress bars come before it)
     assert err.startswith("flowrl sample: error: ") and message in err
@@ -97,10 +99,14 @@ def test_num_images_per_prompt_equals_single_seed_calls_and_the_per_seed_draw(tm
 
     prompts, seed, num = ["two red circles", "one blue square"], 5, 3
     common = ["sample", "--model", "toy", "--prompt", prompts[0], "--prompt", prompts[1], "--num-steps", "2"]
-    assert main(common + ["--seed", str(seed), "--num-images-per-prompt", str(num), "--out", str(tmp_path / "many")]) == 0
+    assert (
+        main(common + ["--seed", str(seed), "--num-images-per-prompt", str(num), "--out", str(tmp_path / "many")]) == 0
+    )
     names = sorted(p.name for p in (tmp_path / "many").glob("*.png"))
     assert names == sorted(
-        f"{i:03d}_seed{seed + k}_{slug}.png" for i, slug in enumerate(["two_red_circles", "one_blue_square"]) for k in range(num)
+        f"{i:03d}_seed{seed + k}_{slug}.png"
+        for i, slug in enumerate(["two_red_circles", "one_blue_square"])
+        for k in range(num)
     )
     model = load_flow_model("toy")
     sampler = SAMPLERS.get("ode")(num_steps=2, height=32, width=32)

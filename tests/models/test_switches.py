@@ -94,7 +94,9 @@ def test_vae_tiling_decodes_close_images(tiny_model):
 def test_vae_switch_error_names_the_vae(tiny_model):
     model = tiny_model("sd3")
     del model.pipe.vae.use_tiling
-    with pytest.raises(ValueError, match=r"model.vae_tiling=true: the sd3 VAE \(AutoencoderKL\) has no enable_tiling\(\)"):
+    with pytest.raises(
+        ValueError, match=r"model.vae_tiling=true: the sd3 VAE \(AutoencoderKL\) has no enable_tiling\(\)"
+    ):
         apply_switches(model, ModelConfig(path="unused", vae_tiling=True))
 
 
@@ -109,7 +111,9 @@ def test_compile_wraps_the_transformer_forward_and_keeps_the_velocity(tiny_model
     names = [n for n, _ in model.transformer.named_parameters()]
     calls = []
     compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or compile_(fn, **{**kw, "backend": "eager"}))
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: calls.append(kw) or compile_(fn, **{**kw, "backend": "eager"})
+    )
     apply_switches(model, ModelConfig(path="unused", compile=True))
     assert len(calls) == 1 and model.transformer._compiled_call_impl is not None
     torch.testing.assert_close(model.velocity(latents, 0.5, cond, 1.0), before, rtol=0, atol=1e-6)
@@ -143,8 +147,8 @@ def test_attention_backend_xformers_names_why_it_cannot_run(tiny_model, monkeypa
     monkeypatch.setitem(sys.modules, "xformers", xformers)
     monkeypatch.setitem(sys.modules, "xformers._cpp_lib", cpp_lib)
     message = (
-        "model.attention_backend=xformers: xformers 0.0.35 was built for torch 2.10.0+cu128 and its kernels do not load "
-        f"beside torch {torch.__version__}; use attention_backend: sdpa (the default)"
+        "model.attention_backend=xformers: xformers 0.0.35 was built for torch 2.10.0+cu128 and its kernels do not "
+        f"load beside torch {torch.__version__}; use attention_backend: sdpa (the default)"
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         apply_switches(model, ModelConfig(path="unused", attention_backend="xformers"))

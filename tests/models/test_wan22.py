@@ -21,7 +21,9 @@ def expert_velocity(model, module, x, sigma, cond, scale):
     """What the pipeline computes at one step with `module`: two calls, plain CFG, timestep σ·1000."""
     t = sigma * 1000
     text = module(hidden_states=x, timestep=t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
-    empty = module(hidden_states=x, timestep=t, encoder_hidden_states=cond["negative_prompt_embeds"], return_dict=False)[0]
+    empty = module(
+        hidden_states=x, timestep=t, encoder_hidden_states=cond["negative_prompt_embeds"], return_dict=False
+    )[0]
     return empty + scale * (text - empty)
 
 

@@ -36,7 +36,9 @@ def model(tiny_pipeline):
 
 
 def batch(source, prompts=(PROMPT,), seeds=(SEED,)):
-    return PromptBatch(list(prompts), torch.arange(len(prompts)), [{"image": source}] * len(prompts), seeds=torch.tensor(seeds))
+    return PromptBatch(
+        list(prompts), torch.arange(len(prompts)), [{"image": source}] * len(prompts), seeds=torch.tensor(seeds)
+    )
 
 
 def ode(steps=STEPS, decode=True):
@@ -76,7 +78,9 @@ def test_sigma_grid_noise_and_conditioning_equal_the_pipeline(model, source):
     noise, condition = pipe.prepare_latents(
         pixels, 1, pipe.vae.config.z_dim, H, W, F, torch.float32, "cpu", torch.Generator().manual_seed(SEED)
     )
-    torch.testing.assert_close(model.prepare_latents(1, H, W, torch.Generator().manual_seed(SEED), F), noise, rtol=0, atol=0)
+    torch.testing.assert_close(
+        model.prepare_latents(1, H, W, torch.Generator().manual_seed(SEED), F), noise, rtol=0, atol=0
+    )
     cond = model.encode([PROMPT], guidance_scale=SCALE, images=[source], size=(H, W, F))
     torch.testing.assert_close(cond["condition"], condition, rtol=0, atol=1e-6)
     assert cond["condition"].shape[1] == 4 + pipe.vae.config.z_dim and cond["condition"][:, 4:].abs().max() > 0.1
@@ -113,7 +117,9 @@ def test_lora_saved_by_flowrl_changes_the_pipeline_output_identically(tiny_pipel
 def test_on_policy_ratio_is_exactly_one(model, tiny_pipeline, dtype, source):
     model = model if dtype == "float32" else load_flow_model(tiny_pipeline("wan_i2v"), dtype=dtype)
     sampler = SAMPLERS.get("sde")(num_steps=3, height=H, width=W, num_frames=F, guidance_scale=SCALE, noise_level=0.8)
-    assert_log_probs_rescore_exactly(model, sampler(model, batch(source, prompts=(PROMPT, "the cat jumps"), seeds=(1, 2))))
+    assert_log_probs_rescore_exactly(
+        model, sampler(model, batch(source, prompts=(PROMPT, "the cat jumps"), seeds=(1, 2)))
+    )
 
 
 def test_an_i2v_model_without_a_source_image(model):

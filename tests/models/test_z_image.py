@@ -18,7 +18,10 @@ def test_guidance_is_the_pipelines_one_plus_s_convention(tiny_model):
     sigma = torch.tensor([0.9, 0.4])
     cond = model.encode(PROMPTS, guidance_scale=2.0)
     plain = model.velocity(x, sigma, cond, 0.0)  # s = 0: one forward, the prompt alone
-    negative = {"prompt_embeds": cond["negative_prompt_embeds"], "prompt_embeds_mask": cond["negative_prompt_embeds_mask"]}
+    negative = {
+        "prompt_embeds": cond["negative_prompt_embeds"],
+        "prompt_embeds_mask": cond["negative_prompt_embeds_mask"],
+    }
     empty = model.velocity(x, sigma, negative, 0.0)
     guided = model.velocity(x, sigma, cond, 2.0)
     torch.testing.assert_close(guided, plain + 2.0 * (plain - empty), rtol=1e-4, atol=1e-5)  # one batched call vs two

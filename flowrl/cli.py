@@ -1,4 +1,5 @@
-"""The `flowrl` command: sample, train, eval, report, demo, bench, plan, pool, rewards list, score, serve-reward, recipes.
+"""The `flowrl` command: sample, train, eval, report, demo, bench, plan, pool, rewards list, score, serve-reward,
+recipes.
 
 Each subcommand has a `_add_<name>(subparsers)` that declares its arguments and a `_run_<name>(args)` that
 does the work; heavy imports happen inside `_run_*` so that `flowrl --help` stays fast.
@@ -66,7 +67,9 @@ def _run_sample(args: argparse.Namespace) -> int:
     # 0. Arguments that need no model: fail before loading one
     num_images = args.num_images_per_prompt
     if num_images < 1:
-        raise ValueError(f"--num-images-per-prompt={num_images} must be >= 1 (images per prompt, seeds --seed, --seed+1, ...)")
+        raise ValueError(
+            f"--num-images-per-prompt={num_images} must be >= 1 (images per prompt, seeds --seed, --seed+1, ...)"
+        )
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out!r} is a file, not a folder; pass a folder (created when missing)")
     images = [os.path.abspath(p) for p in args.image or []]
@@ -106,7 +109,8 @@ def _run_sample(args: argparse.Namespace) -> int:
     conditioned = getattr(model, "conditioning", None) is not None
     if images and not conditioned:
         raise ValueError(
-            f"--image given to the text-only {model.family} model {args.model!r}; drop --image or use an edit / image-to-video model"
+            f"--image given to the text-only {model.family} model {args.model!r}; "
+            "drop --image or use an edit / image-to-video model"
         )
     if conditioned and not images:
         raise ValueError(f"the {model.family} model {args.model!r} edits or animates a source image; pass --image PATH")
@@ -146,7 +150,9 @@ def run_training(config: str, overrides: list[str]) -> int:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train with a YAML config (one process; use accelerate launch scripts/train.py for more)")
+    p = sub.add_parser(
+        "train", help="train with a YAML config (one process; use accelerate launch scripts/train.py for more)"
+    )
     p.add_argument("config", help="YAML run config, e.g. configs/toy/grpo.yaml")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.learning_rate=1e-4")
 
@@ -170,11 +176,17 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="sample the config's fixed eval prompts x seeds from a checkpoint (or base) and score them")
+    p = sub.add_parser(
+        "eval", help="sample the config's fixed eval prompts x seeds from a checkpoint (or base) and score them"
+    )
     p.add_argument("--config", required=True, help="the run's config YAML")
-    p.add_argument("--checkpoint", required=True, help="checkpoints/step_XXXXXX folder, or 'base' for the untrained model")
+    p.add_argument(
+        "--checkpoint", required=True, help="checkpoints/step_XXXXXX folder, or 'base' for the untrained model"
+    )
     p.add_argument("--out", default=None, help="output folder (default: <run>/eval/step_XXXXXX or <run>/eval/base)")
-    p.add_argument("--set", action="append", dest="overrides", metavar="KEY=VALUE", help="config override (dotlist), repeatable")
+    p.add_argument(
+        "--set", action="append", dest="overrides", metavar="KEY=VALUE", help="config override (dotlist), repeatable"
+    )
     p.add_argument("--batch-size", type=int, default=None, help="default: eval.batch_size of the config")
 
 
@@ -214,9 +226,9 @@ def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, s
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    """The trainer's evaluation (flowrl.training.evaluation.Evaluator) on demand, for one checkpoint or the base model: the run's
-    model settings on the accelerator's device; under `accelerate launch` (scripts/evaluate.py) split over the
-    processes, the main one writing and printing."""
+    """The trainer's evaluation (flowrl.training.evaluation.Evaluator) on demand, for one checkpoint or the base
+    model: the run's model settings on the accelerator's device; under `accelerate launch` (scripts/evaluate.py) split
+    over the processes, the main one writing and printing."""
     import contextlib
 
     from flowrl.trainers import load_config
@@ -276,7 +288,9 @@ def _run_report(args: argparse.Namespace) -> int:
     for value in args.hacking_pair:
         gold, _, train = (part.strip() for part in value.partition("="))
         if not gold or not train:
-            raise ValueError(f"--hacking-pair {value!r} must be GOLD=TRAIN (two reward names), e.g. toy_exact=toy_attributes")
+            raise ValueError(
+                f"--hacking-pair {value!r} must be GOLD=TRAIN (two reward names), e.g. toy_exact=toy_attributes"
+            )
         if gold in pairs:
             raise ValueError(
                 f"--hacking-pair pairs {gold!r} twice ({gold}={pairs[gold]} and {value}); give each gold reward once"
@@ -294,7 +308,11 @@ def _run_report(args: argparse.Namespace) -> int:
     for run, gap in result["gaps"]:
         print(f"gap: {run}: {gap}", file=sys.stderr)
     for run, flagged in result["flag_reasons"].items():
-        for step, name, reason in flagged:  # reason: "fell by 0.05" or "gained 0.2 less than <training> on the same N samples"
+        for (
+            step,
+            name,
+            reason,
+        ) in flagged:  # reason: "fell by 0.05" or "gained 0.2 less than <training> on the same N samples"
             print(f"reward hacking? {run}: {name} {reason} at {step} while a training reward rose", file=sys.stderr)
     print(result["index"])
     return 0
@@ -302,7 +320,9 @@ def _run_report(args: argparse.Namespace) -> int:
 
 def _add_recipes(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("recipes", help="which sampler x trainer x balancer combination runs, and why not where not")
-    p.add_argument("--json", action="store_true", help='print [{"sampler", "trainer", "balancer", "works", "why"}] instead')
+    p.add_argument(
+        "--json", action="store_true", help='print [{"sampler", "trainer", "balancer", "works", "why"}] instead'
+    )
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -318,7 +338,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _add_pool(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pool", help="make (or finish) the offline pool of an offline recipe's config (gdro)")
     p.add_argument("config", help="YAML run config of an offline recipe, e.g. configs/toy/gdro.yaml")
-    p.add_argument("--out", default=None, help="the pool's folder (default: train.pool_dir, else <output_dir>/pools/<name>)")
+    p.add_argument(
+        "--out", default=None, help="the pool's folder (default: train.pool_dir, else <output_dir>/pools/<name>)"
+    )
     p.add_argument("overrides", nargs="*", help="key.path=value overrides of the config, e.g. train.pool_size=8")
 
 
@@ -333,7 +355,7 @@ def _run_pool(args: argparse.Namespace) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from flowrl.bench.plan import plan, render
+    from flowrl.plan.plan import plan, render
 
     print(render(plan(args.config, args.gpu, args.num_gpus, args.sharding, args.overrides, args.json)))
     return 0

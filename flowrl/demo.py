@@ -2,7 +2,7 @@
 
 The run goes to `<out>/demo/` (replacing an earlier demo run): config, metrics, checkpoints, eval/base and the
 final eval, `report/index.html`, and `summary.json` with the held-out numbers before and after (every held-out
-prompt x `SUMMARY_SEEDS` fixed seeds, ODE):
+prompt x `SUMMARY_SEEDS` fixed seeds, ODE; sampled and graded by `flowrl.heldout`):
 
 - `exact_accuracy` (the headline): the rule-based `toy_exact` checker finds exactly the prompt's count, colour and
   shape in the pixels; nothing learned, so training cannot game it;
@@ -30,57 +30,11 @@ from pathlib import Path
 
 import torch
 
+from flowrl.heldout import SUMMARY_SEEDS, heldout_scores, judge_checkpoint
+
 CONFIG = Path(__file__).parent / "toy" / "grpo.yaml"
-SUMMARY_SEEDS = 16  # held-out prompts x this many seeds for the before/after numbers
 HACKING_PAIRS = {"toy_exact": "toy_attributes"}  # gold reward -> the training reward it also measures
 HACKING_MARGIN = 0.02  # the report's margin (absolute, in the rewards' units)
-
-
-@torch.no_grad()
-def heldout_scores(model, num_seeds: int, num_steps: int, guidance_scale: float, judge_checkpoint: str | None = None) -> dict:
-    """Exact and judge accuracy, impossible-count and mixed-colour rates, the mean artifact reward and the diversity
-    (per prompt the mean pairwise RMS pixel distance of its seeds' images, `flowrl.training.evaluation`'s pixel space, averaged
-    over prompts; None for one seed) over every held-out prompt x `num_seeds` fixed seeds (the judge:
-    `judge_checkpoint`, default the shipped one), and "reads": per sample, whether the judge and the exact checker
-    read its count, colour and shape as the prompt's and whether the checker finds an impossible count (strings of
-    0s and 1s, `flowrl.report.heldout`). A model conditioned on a source image (the toy image-to-video model) samples
-    each prompt from its toy source image (flowrl/toy/sources.py)."""
-    from flowrl.bench.accuracy import HEADS, exact_accuracy, judge_accuracy, sample_images
-    from flowrl.models.conditioning import conditioning_kind
-    from flowrl.registry import REWARDS
-    from flowrl.report.heldout import IMPOSSIBLE
-    from flowrl.seeds import heldout_seeds
-    from flowrl.toy.judges import load_judge
-    from flowrl.toy.world import split_prompts
-    from flowrl.training.evaluation import mean_pairwise_distance, pixel_features
-
-    base = split_prompts("heldout")
-    prompts = [p for p in base for _ in range(num_seeds)]
-    seeds = heldout_seeds(len(base), num_seeds)
-    metadata = None
-    if conditioning_kind(model) == "image":
-        from flowrl.toy.sources import source_records
-
-        metadata = source_records(prompts)
-    images = sample_images(model, prompts, seeds, num_steps, guidance_scale, metadata=metadata)
-    exact = exact_accuracy(images, prompts, per_sample=True)
-    judge = judge_accuracy(load_judge("attributes", judge_checkpoint), images, prompts, per_sample=True)
-    gold_reads = exact.pop("reads")
-    reads = {"judge": judge.pop("reads"), "gold": {k: gold_reads[k] for k in (*HEADS, IMPOSSIBLE)}}
-    artifact = REWARDS.build("toy_artifact")(images, prompts, [{} for _ in prompts]).scores
-    per_prompt = [mean_pairwise_distance(pixel_features(images[i : i + num_seeds])) for i in range(0, len(prompts), num_seeds)]
-    return {
-        "exact_accuracy": exact["accuracy"],
-        "judge_accuracy": judge["accuracy"],
-        "impossible_count_rate": exact["impossible_count_rate"],
-        "mixed_colour_rate": exact["mixed_colour_rate"],
-        "artifact": round(float(artifact.mean()), 4),
-        "diversity": None if num_seeds < 2 else round(sum(per_prompt) / len(per_prompt), 4),  # RMS pixel distance
-        "num_samples": len(prompts),
-        "exact": exact,
-        "judge": judge,
-        "reads": reads,  # per sample (prompt-major, as `prompts`): "1" where the judge / the checker read it so
-    }
 
 
 def hacking_pairs(cfg) -> dict[str, str]:
@@ -88,11 +42,6 @@ def hacking_pairs(cfg) -> dict[str, str]:
     train = {r.name for r in cfg.rewards}
     gold = {r.name for r in cfg.eval.gold_rewards}
     return {g: t for g, t in HACKING_PAIRS.items() if g in gold and t in train}
-
-
-def judge_checkpoint(cfg) -> str | None:
-    """The attribute judge the config trains on (a `toy_attributes` reward's `checkpoint`), default the shipped one."""
-    return next((r.kwargs.get("checkpoint") for r in cfg.rewards if r.name == "toy_attributes"), None)
 
 
 def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> dict:
@@ -226,7 +175,8 @@ def summary_text(summary: dict) -> str:
         row("judge accuracy", *pct("judge_accuracy"), "toy_attributes, the training reward"),
         row("impossible counts", *count("impossible_count"), "no shape, or four and more"),
         row("artifact", f"{b:.4f}", f"{a:.4f}", f"{a - b:+.4f}", "toy_artifact, mean (1 = clean)"),
-        f"{'wall time':<18}{summary['wall_s'] / 60:.1f} min ({summary['wall_s']:.0f} s: training and the held-out numbers)",
+        f"{'wall time':<18}{summary['wall_s'] / 60:.1f} min "
+        f"({summary['wall_s']:.0f} s: training and the held-out numbers)",
         "",
         *panel,
         f"report: {summary['report']}",

@@ -1,13 +1,17 @@
-"""Accuracy of a toy model: sample every prompt of a split at fixed seeds, grade them by the exact checker and the judge.
+"""Held-out grading of a toy model: sample every prompt of a split at fixed seeds, grade them by the exact checker
+and the attribute judge. The demo's before/after numbers and the race's curves come from here (`heldout_scores`).
 
-    python -m flowrl.bench.accuracy                      # the shipped model, both splits, the demo's T and CFG
-    python -m flowrl.bench.accuracy --checkpoint /tmp/run/checkpoints/step_001000.safetensors --grid grid.png
+    python -m flowrl.heldout                      # the shipped model, both splits, the demo's T and CFG
+    python -m flowrl.heldout --checkpoint /tmp/run/checkpoints/step_001000.safetensors --grid grid.png
 
 Two graders: `exact_accuracy` (the headline) counts a sample right when the rule-based `toy_exact` checker finds
 exactly the prompt's count, colour and shape in its pixels; `judge_accuracy` when the learned attribute judge's argmax
 of count, colour and shape all equal the prompt's (the judge is also the training reward, so it can be gamed).
 Sampling is the "ode" sampler (Euler steps over `model.sigmas()`), one generator per sample seeded by
 (seed, prompt index, sample index), so results do not depend on the batch size.
+
+This module measures; `flowrl.report.heldout` is the report's side: the hacking panel's tests of the per-sample reads
+that `heldout_scores` records.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from flowrl.seeds import split_seeds
 from flowrl.toy.world import parse_prompt, split_prompts
 
 HEADS = ("count", "colour", "shape")
+SUMMARY_SEEDS = 16  # held-out prompts x this many seeds for the before/after numbers
 
 
 @torch.no_grad()
@@ -60,7 +65,9 @@ def judge_accuracy(judge, images: torch.Tensor, prompts: list[str], per_sample: 
     labels = torch.tensor([parse_prompt(p).labels for p in prompts])  # [N, 3]
     logits = judge(images)
     hits = torch.stack([logits[h].argmax(1) == labels[:, i] for i, h in enumerate(HEADS)], 1)  # [N, 3]
-    probs = torch.stack([logits[h].softmax(1).gather(1, labels[:, i : i + 1]).squeeze(1) for i, h in enumerate(HEADS)], 1)
+    probs = torch.stack(
+        [logits[h].softmax(1).gather(1, labels[:, i : i + 1]).squeeze(1) for i, h in enumerate(HEADS)], 1
+    )
     result = {"accuracy": hits.all(1).float().mean().item(), "reward_mean": probs.prod(1).mean().item()}
     result.update({f"{h}_accuracy": hits[:, i].float().mean().item() for i, h in enumerate(HEADS)})
     result = {k: round(v, 4) for k, v in result.items()}
@@ -100,6 +107,61 @@ def split_accuracy(model, judge, split: str, num_per_prompt: int, num_steps: int
     seeds = split_seeds(seed, len(base), num_per_prompt)
     images = sample_images(model, prompts, seeds, num_steps, guidance_scale)
     return {**judge_accuracy(judge, images, prompts), "exact": exact_accuracy(images, prompts)}, images, prompts
+
+
+@torch.no_grad()
+def heldout_scores(
+    model, num_seeds: int, num_steps: int, guidance_scale: float, judge_checkpoint: str | None = None
+) -> dict:
+    """Exact and judge accuracy, impossible-count and mixed-colour rates, the mean artifact reward and the diversity
+    (per prompt the mean pairwise RMS pixel distance of its seeds' images, `flowrl.training.evaluation`'s pixel space,
+    averaged over prompts; None for one seed) over every held-out prompt x `num_seeds` fixed seeds (the judge:
+    `judge_checkpoint`, default the shipped one), and "reads": per sample, whether the judge and the exact checker
+    read its count, colour and shape as the prompt's and whether the checker finds an impossible count (strings of
+    0s and 1s, which the hacking panel tests: `flowrl.report.heldout`). A model conditioned on a source image (the
+    toy image-to-video model) samples each prompt from its toy source image (flowrl/toy/sources.py)."""
+    from flowrl.models.conditioning import conditioning_kind
+    from flowrl.registry import REWARDS
+    from flowrl.report.heldout import IMPOSSIBLE
+    from flowrl.seeds import heldout_seeds
+    from flowrl.toy.judges import load_judge
+    from flowrl.toy.world import split_prompts
+    from flowrl.training.evaluation import mean_pairwise_distance, pixel_features
+
+    base = split_prompts("heldout")
+    prompts = [p for p in base for _ in range(num_seeds)]
+    seeds = heldout_seeds(len(base), num_seeds)
+    metadata = None
+    if conditioning_kind(model) == "image":
+        from flowrl.toy.sources import source_records
+
+        metadata = source_records(prompts)
+    images = sample_images(model, prompts, seeds, num_steps, guidance_scale, metadata=metadata)
+    exact = exact_accuracy(images, prompts, per_sample=True)
+    judge = judge_accuracy(load_judge("attributes", judge_checkpoint), images, prompts, per_sample=True)
+    gold_reads = exact.pop("reads")
+    reads = {"judge": judge.pop("reads"), "gold": {k: gold_reads[k] for k in (*HEADS, IMPOSSIBLE)}}
+    artifact = REWARDS.build("toy_artifact")(images, prompts, [{} for _ in prompts]).scores
+    per_prompt = [
+        mean_pairwise_distance(pixel_features(images[i : i + num_seeds])) for i in range(0, len(prompts), num_seeds)
+    ]
+    return {
+        "exact_accuracy": exact["accuracy"],
+        "judge_accuracy": judge["accuracy"],
+        "impossible_count_rate": exact["impossible_count_rate"],
+        "mixed_colour_rate": exact["mixed_colour_rate"],
+        "artifact": round(float(artifact.mean()), 4),
+        "diversity": None if num_seeds < 2 else round(sum(per_prompt) / len(per_prompt), 4),  # RMS pixel distance
+        "num_samples": len(prompts),
+        "exact": exact,
+        "judge": judge,
+        "reads": reads,  # per sample (prompt-major, as `prompts`): "1" where the judge / the checker read it so
+    }
+
+
+def judge_checkpoint(cfg) -> str | None:
+    """The attribute judge the config trains on (a `toy_attributes` reward's `checkpoint`), default the shipped one."""
+    return next((r.kwargs.get("checkpoint") for r in cfg.rewards if r.name == "toy_attributes"), None)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""The real architectures of scripts/gpu_check.py (the published configs of flowrl.models.archs), and the pipelines
+"""The real architectures of scripts/gpu_check.py (the published configs of flowrl.plan.archs), and the pipelines
 they build with random weights: on a GPU in the run's dtype, or on the meta device to count parameters without
 memory.
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-# the published configs, defined once in flowrl.models.arch_configs (re-exported here for gpu_check and its sections)
-from flowrl.models.arch_configs import (  # noqa: F401
+# the published configs, defined once in flowrl.plan.arch_configs (re-exported here for gpu_check and its sections)
+from flowrl.plan.arch_configs import (  # noqa: F401
     CLIP_G,
     CLIP_L,
     CLIP_VIT_H14,
@@ -60,7 +60,9 @@ def seeded(device, seed: int = 0):
 def _clip(cls, cfg: dict, tokenizer):
     from transformers import CLIPTextConfig
 
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    ids = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     return cls(CLIPTextConfig(**cfg, **ids))
 
 
@@ -98,7 +100,11 @@ def transformer(family: str):
     """The real-size transformer of `family` (construct inside `building`)."""
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
 
-    cls, cfg = {"sd3": (SD3Transformer2DModel, SD35_MEDIUM), "flux": (FluxTransformer2DModel, FLUX1_DEV), "wan": (WanTransformer3DModel, WAN21_1_3B)}[family]  # fmt: skip
+    cls, cfg = {
+        "sd3": (SD3Transformer2DModel, SD35_MEDIUM),
+        "flux": (FluxTransformer2DModel, FLUX1_DEV),
+        "wan": (WanTransformer3DModel, WAN21_1_3B),
+    }[family]
     return cls(**cfg)
 
 
@@ -184,9 +190,16 @@ def real_clip_folder(folder: Path) -> Path:
     from rewards._tiny import OPENAI_MEAN, OPENAI_STD, tiny_clip_tokenizer
 
     tokenizer = tiny_clip_tokenizer()
-    images = CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}, image_mean=OPENAI_MEAN, image_std=OPENAI_STD)  # fmt: skip
+    images = CLIPImageProcessor(
+        size={"shortest_edge": 224},
+        crop_size={"height": 224, "width": 224},
+        image_mean=OPENAI_MEAN,
+        image_std=OPENAI_STD,
+    )
     CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder)
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    ids = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     CLIPConfig(**dict(CLIP_VIT_H14, text_config={**CLIP_VIT_H14["text_config"], **ids})).save_pretrained(folder)
     FACTORIES[str(folder)] = ("clip", None)
     return folder

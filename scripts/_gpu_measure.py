@@ -1,6 +1,6 @@
 """The instruments of scripts/gpu_check.py's sections: the check's context, the parts a section builds (model folders,
 rewards, run configs), and what a training step records (`measured_step`): the recipe's perf/* seconds, the work
-meter's counts, the efficiency η per phase (the counts priced at η = 1 by flowrl.bench.cost, over the measured
+meter's counts, the efficiency η per phase (the counts priced at η = 1 by flowrl.plan.cost, over the measured
 seconds) and the peak CUDA memory per phase in GiB (`rollout`: stages 1-5 with the rewards scored beside the
 rollout; `train`: stage 6), which gpu_check.py sets beside `flowrl plan`'s estimate for the same batch
 (`plan_estimate`, computed in a worker process while the sections run)."""
@@ -37,7 +37,7 @@ class Context:
 
     @property
     def gpu(self) -> str:
-        """The hardware table's row that prices this device's work (flowrl.bench.cost.HARDWARE); h100 on a CPU."""
+        """The hardware table's row that prices this device's work (flowrl.plan.cost.HARDWARE); h100 on a CPU."""
         name = torch.cuda.get_device_name(self.device).upper() if self.cuda else ""
         return next((key for key in ("h200", "b200", "h100") if key.upper() in name), "h100")
 
@@ -78,7 +78,8 @@ def video_rewards(ctx: Context) -> list[dict]:
         temporal = {"model_name": folder, "pretrained": None}
     every = 2 if ctx.tiny else 4
     return [
-        {"name": "per_frame", "weight": 1.0, "reward": "pickscore", "reward_config": pickscore(ctx), "reduce": "mean", "every_k_frames": every},
+        {"name": "per_frame", "weight": 1.0, "reward": "pickscore", "reward_config": pickscore(ctx), "reduce": "mean",
+         "every_k_frames": every},
         {"name": "temporal_consistency", "weight": 0.5, **temporal},
     ]  # fmt: skip
 
@@ -126,7 +127,7 @@ def plan_overrides(yaml_path: str, sizes: dict) -> list[str]:
 
 def plan_estimate(yaml_path: str, overrides: list[str], sharding: str = "none") -> dict:
     """`flowrl plan`'s peak memory per GPU (GiB, by part) of `yaml_path` with `overrides` on one GPU."""
-    from flowrl.bench import memory, plan
+    from flowrl.plan import memory, plan
     from flowrl.trainers import load_config
 
     plan._quiet()
@@ -221,9 +222,9 @@ def measured_step(ctx: Context, trainer) -> dict:
 
 def eta_per_phase(ctx: Context, yaml_path: str, sizes: dict, step: dict) -> dict:
     """η per phase: the step's work meter counts priced at η = 1 on this GPU's row of the hardware table (the config's
-    real geometry; flowrl.bench.cost) over the measured seconds (perf/rollout_s counts the wait for the scoring that
+    real geometry; flowrl.plan.cost) over the measured seconds (perf/rollout_s counts the wait for the scoring that
     overlaps the rollout; score: perf/reward_s; train: perf/optimise_s; step: perf/step_s)."""
-    from flowrl.bench import cost, plan
+    from flowrl.plan import cost, plan
     from flowrl.trainers import load_config
 
     cfg = load_config(ROOT / yaml_path, plan_overrides(yaml_path, sizes))

@@ -70,7 +70,7 @@ def preview_speed(ctx: Context) -> dict:
     (real FP8 through torchao on sm_89+; the fake-quant emulations; int8 on the CPU), and the bf16 forward's η."""
     from diffusers import SD3Transformer2DModel
 
-    from flowrl.bench import cost
+    from flowrl.plan import cost
     from flowrl.quant import PreviewSpec, build_preview, torchao_installed
 
     if ctx.tiny:
@@ -138,8 +138,8 @@ def sd3_eta(ctx: Context) -> dict:
     from peft import LoraConfig
     from torch.utils.flop_counter import FlopCounterMode
 
-    from flowrl.bench import cost
     from flowrl.models.lora import JOINT_ATTENTION_TARGETS
+    from flowrl.plan import cost
 
     dtype = torch.float32 if ctx.tiny and not ctx.cuda else torch.float16
     if ctx.tiny:

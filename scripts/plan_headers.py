@@ -1,4 +1,4 @@
-"""Write each shipped real-model config's `# Plan:` header line from `flowrl plan` (flowrl/bench/plan.py).
+"""Write each shipped real-model config's `# Plan:` header line from `flowrl plan` (flowrl/plan/plan.py).
 
     python scripts/plan_headers.py                       # every configs/<family>/*.yaml but toy/, accelerate/, prompts/
     python scripts/plan_headers.py configs/sd3/grpo_pickscore.yaml
@@ -46,14 +46,15 @@ def header_line(config: Path, result: dict, gpu: str, sharding: str) -> str:
     peak = result["peak_memory_gib"]["total"]
     fit = "fits" if result["fits"][gpu] else "does NOT fit; see flowrl plan for what would"
     return (
-        f"# Plan: {n}x {gpu.upper()} ({NAME[sharding]}): {step['research']:.0f} s/step at eta 0.11 ({step['tuned']:.0f} s at "
-        f"0.4), {hours['research']:.0f} GPU-hours for {result['num_steps']} steps; peak {peak:.0f} GiB per GPU, {fit} "
+        f"# Plan: {n}x {gpu.upper()} ({NAME[sharding]}): {step['research']:.0f} s/step at eta 0.11 "
+        f"({step['tuned']:.0f} s at 0.4), {hours['research']:.0f} GPU-hours for {result['num_steps']} steps; "
+        f"peak {peak:.0f} GiB per GPU, {fit} "
         f"(flowrl plan {rel} --gpu {gpu} --num-gpus {n}{FLAG[sharding]})"
     )
 
 
 def write_header(config: Path) -> str:
-    from flowrl.bench.plan import plan
+    from flowrl.plan.plan import plan
 
     lines = config.read_text().splitlines()
     n, gpu, sharding = launch_of(lines)

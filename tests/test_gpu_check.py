@@ -27,13 +27,14 @@ ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
 # the device image's Python packages (its documentation's list, 2026-11-17): the dry run of gpu_run.sh has these and
 # the carried wheels, nothing else (the nvidia-* and cuda-* libraries torch loads are in it too)
 DEVICE_IMAGE = set(
-    """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi charset-normalizer
-    click cloudpickle colorama contourpy cycler filelock flatbuffers fonttools frozenlist fsspec grpcio h11 hf-xet
-    httpcore httpx huggingface-hub idna imageio jinja2 joblib kiwisolver markdown markdown-it-py markupsafe matplotlib
-    mdurl ml-dtypes mpmath msgpack multidict networkx ninja numpy onnx onnxruntime opencv-python-headless packaging pandas
-    pillow pip pluggy propcache protobuf psutil py-cpuinfo pygments pyparsing python-dateutil pyyaml regex requests rich
-    safetensors scipy sentencepiece setuptools six sympy tensorboard tensorboard-data-server timm tokenizers torch
-    torchvision tqdm transformers triton typing-extensions urllib3 werkzeug wheel yarl zipp""".split()
+    """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi
+    charset-normalizer click cloudpickle colorama contourpy cycler filelock flatbuffers fonttools frozenlist fsspec
+    grpcio h11 hf-xet httpcore httpx huggingface-hub idna imageio jinja2 joblib kiwisolver markdown markdown-it-py
+    markupsafe matplotlib mdurl ml-dtypes mpmath msgpack multidict networkx ninja numpy onnx onnxruntime
+    opencv-python-headless packaging pandas pillow pip pluggy propcache protobuf psutil py-cpuinfo pygments pyparsing
+    python-dateutil pyyaml regex requests rich safetensors scipy sentencepiece setuptools six sympy tensorboard
+    tensorboard-data-server timm tokenizers torch torchvision tqdm transformers triton typing-extensions urllib3 werkzeug
+    wheel yarl zipp""".split()
 )
 ALIASES = {"httpx2": "httpx", "httpcore2": "httpcore"}  # this machine's builds of the image's packages
 MACHINE_EXTRAS = {"truststore"}  # what this machine's huggingface_hub 2.x imports (the image's 1.33 does not)
@@ -64,7 +65,9 @@ def python_with(tmp: Path, keep) -> str:
 
 def copy_of_tree(dest: Path) -> Path:
     """The files the device machine gets: tracked and untracked files that git does not ignore."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+    )
     for name in filter(None, listed.stdout.decode().split("\0")):
         if (ROOT / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -124,7 +127,7 @@ def test_eta_is_the_counted_work_over_the_measured_seconds(tmp_path, scripts_on_
     plan ratio: the train peak over the plan's total less its overhead."""
     import _gpu_sections as sections
 
-    from flowrl.bench import cost
+    from flowrl.plan import cost
 
     ctx = sections.Context(False, torch.device("cpu"), tmp_path)
     step = {"work/rollout/forward/policy": 180.0, "perf/rollout_s": 2.0, "perf/reward_s": 0.0, "perf/optimise_s": 0.0}
@@ -136,7 +139,9 @@ def test_eta_is_the_counted_work_over_the_measured_seconds(tmp_path, scripts_on_
     assert set(eta["eta"]) == {"rollout", "step"}  # no seconds measured, no η
     plan = {"rows": 18, "peak_GiB": {"total": 13.0, "overhead": 3.0, "activations": 1.5, "transient": 0.5}}
     compared = sections.compare_with_plan({"peak_GiB": {"train": 12.5}, "activation_peak_GiB": 3.0}, plan)
-    assert compared["train_over_plan"] == pytest.approx(1.25) and compared["activations_over_plan"] == pytest.approx(1.5)
+    assert compared["train_over_plan"] == pytest.approx(1.25) and compared["activations_over_plan"] == pytest.approx(
+        1.5
+    )
 
 
 def test_the_run_script_fits_one_device_command():
@@ -200,7 +205,9 @@ def test_a_failing_section_is_recorded_and_the_rest_run(tmp_path):
     done = subprocess.run(command, cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stderr[-2000:]
     results = json.loads((out / "sections.json").read_text())
-    assert not results["sd3_resume"]["ok"] and results["sd3_resume"]["error"].startswith("RuntimeError: needs section sd3_grpo")
+    assert not results["sd3_resume"]["ok"] and results["sd3_resume"]["error"].startswith(
+        "RuntimeError: needs section sd3_grpo"
+    )
     preview = results["preview_speed"]
     assert not preview["ok"] and preview["fp8_asked"] and not preview["fp8_real"] and "fake_fp8" in preview["ran"]
     assert preview["error"].startswith("real FP8 was asked for and did not run: ")
@@ -237,7 +244,9 @@ def test_the_run_script_dry_run_with_the_carried_wheels(tmp_path):
     sections = "preview_speed,sd3_grpo,sd3_resume,reward_models"
     env = {**os.environ, **ENV, "OUT": str(out), "PYTHON": python, "GPU_SITE": str(tmp_path / "site")}
     env["GPU_CHECK_ARGS"] = f"--tiny --device cpu --sections {sections}"
-    done = subprocess.run(["bash", "scripts/gpu_run.sh"], cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        ["bash", "scripts/gpu_run.sh"], cwd=tree, env=env, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["check.log", "gpu_check.tar.gz", "sections.json", "summary.json"]
     summary = json.loads((out / "summary.json").read_text())
@@ -278,7 +287,9 @@ def test_real_size_hpsv3_builds_on_meta(tmp_path, scripts_on_path):
     with archs.reward_weights("hpsv3", tmp_path / "hpsv3", torch.device("meta"), tiny=False) as kwargs:
         reward = REWARDS.build("hpsv3", device="meta", **kwargs)
     params = sum(p.numel() for p in reward.model.parameters()) / 1e9
-    assert params == pytest.approx(7.75, abs=0.05)  # Qwen2-VL-7B without its LM head: 7.07 B language model + 0.68 B vision
+    assert params == pytest.approx(
+        7.75, abs=0.05
+    )  # Qwen2-VL-7B without its LM head: 7.07 B language model + 0.68 B vision
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux", "wan"])

@@ -1,3 +1,4 @@
 """Every `flowrl bench ...` measurement, one module each: trainers (the race of the recipes to GRPO's held-out
-accuracy), balancers, candidates, rollout, tree, speed (rewards, report, train); accuracy (the Shapes world's exact
-grade that the race, the balancer bench and the demo share); cli (the `flowrl bench` arguments)."""
+accuracy), balancers, candidates, rollout, tree, rewards (with serving: the reward service on Ray Serve), report,
+train; cli (the `flowrl bench` arguments). The held-out grade they share is flowrl.heldout; the price of their work at
+real size is flowrl.plan."""

@@ -13,9 +13,9 @@ steps per seed with the same loop; `single_<reward>` is the weighted-sum config 
 * the change of each reward from the base model on the held-out split (every held-out prompt x fixed seeds, ODE
   sampler), each graded by an exact gold: the attribute reward by the rule-based `toy_exact` checker (accuracy),
   the layout rewards are their own gold (rules on the pixels), the artifact judge by its own log-odds;
-* for the unit-weight weighted sum (and MARBLE, on the steps that take them anyway), the fraction of optimizer steps where
-  some reward's own gradient (its per-prompt z-score advantages through the NFT loss) has a negative cosine with the
-  update that was applied (`train.log_reward_gradients`);
+* for the unit-weight weighted sum (and MARBLE, on the steps that take them anyway), the fraction of optimizer steps
+  where some reward's own gradient (its per-prompt z-score advantages through the NFT loss) has a negative cosine with
+  the update that was applied (`train.log_reward_gradients`);
 * the step time, less the time those probe gradients took; SMOPD's teachers are billed apart (`offline_s`).
 
 The bed's validity: `single_reward_gain` (each reward trained alone, per seed) and `single_reward_cross` (what the
@@ -49,7 +49,10 @@ REWARD_SPECS = {  # each reward as the bed's configs list it (the artifact judge
 TUNED_WEIGHTS = {"toy_attributes": 1.0, "toy_artifact": 0.33, "toy_size": 0.03, "toy_midline": 2.3}
 BALANCER_RUNS = {  # name: (config stem, overrides)
     "weighted_sum": ("multireward_weighted_sum", []),
-    "weighted_sum_tuned": ("multireward_weighted_sum", [f"rewards.{i}.weight={TUNED_WEIGHTS[r]}" for i, r in enumerate(REWARDS)]),
+    "weighted_sum_tuned": (
+        "multireward_weighted_sum",
+        [f"rewards.{i}.weight={TUNED_WEIGHTS[r]}" for i, r in enumerate(REWARDS)],
+    ),
     "gdpo": ("multireward_gdpo", []),
     "gd2po": ("multireward_gd2po", []),
     "sa_mrpo": ("multireward_sa_mrpo", []),
@@ -71,7 +74,7 @@ PROBED = ("weighted_sum",)  # per-reward gradient cosines logged (MARBLE has the
 def heldout_rewards(model, num_seeds: int, num_steps: int, guidance_scale: float) -> dict[str, float]:
     """Every held-out prompt x `num_seeds` fixed seeds, each reward by its exact gold: attribute accuracy (toy_exact),
     mean artifact log-odds, mean shape area (px), midline rate."""
-    from flowrl.bench.accuracy import exact_accuracy, sample_images
+    from flowrl.heldout import exact_accuracy, sample_images
     from flowrl.registry import REWARDS as REGISTRY
     from flowrl.seeds import heldout_seeds
     from flowrl.toy.world import split_prompts
@@ -142,7 +145,9 @@ def _measure(trainer, num_seeds: int, eval_steps: int | None, step: int | None) 
     with torch.random.fork_rng(), weights:
         trainer.parts.model.transformer.eval()
         cfg = trainer.parts.cfg
-        return heldout_rewards(trainer.parts.model, num_seeds, eval_steps or cfg.eval.num_steps, cfg.eval.guidance_scale)
+        return heldout_rewards(
+            trainer.parts.model, num_seeds, eval_steps or cfg.eval.num_steps, cfg.eval.guidance_scale
+        )
 
 
 def _run(name: str, stem: str, extra: list[str], seed: int, overrides: list[str], num_seeds: int, eval_steps) -> dict:
@@ -271,7 +276,9 @@ def balancers_result(runs: dict, timing: dict | None, overrides: list[str], sett
     balancers = {name: by_seed for name, by_seed in runs.items() if name in BALANCER_RUNS}
     singles = {name.removeprefix("single_"): by_seed for name, by_seed in runs.items() if name in SINGLE_RUNS}
     gain = {r: {seed: run["delta"][r] for seed, run in by_seed.items()} for r, by_seed in singles.items()}
-    cross = {r: {o: _by_seed(by_seed, lambda run, o=o: run["delta"][o]) for o in REWARDS} for r, by_seed in singles.items()}
+    cross = {
+        r: {o: _by_seed(by_seed, lambda run, o=o: run["delta"][o]) for o in REWARDS} for r, by_seed in singles.items()
+    }
     conflicts = [
         {"trained": r, "lowered": o, "seeds_lowered": sum(v < 0 for v in deltas), "of": len(deltas)}
         for r, row in cross.items()
@@ -279,7 +286,8 @@ def balancers_result(runs: dict, timing: dict | None, overrides: list[str], sett
         if o != r and len(deltas) >= 2 and sum(v < 0 for v in deltas) >= 2
     ]
     per_reward_delta = {
-        name: {r: _by_seed(by_seed, lambda run, r=r: run["delta"][r]) for r in REWARDS} for name, by_seed in balancers.items()
+        name: {r: _by_seed(by_seed, lambda run, r=r: run["delta"][r]) for r in REWARDS}
+        for name, by_seed in balancers.items()
     }
     keeps_half = {  # per seed: every reward's change >= half its single-reward gain there (None: no single-reward run)
         name: [
@@ -290,7 +298,10 @@ def balancers_result(runs: dict, timing: dict | None, overrides: list[str], sett
         ]
         for name, by_seed in balancers.items()
     }
-    opposed = {name: [r["opposed_fraction"] for r in s.values() if r["opposed_fraction"] is not None] for name, s in runs.items()}
+    opposed = {
+        name: [r["opposed_fraction"] for r in s.values() if r["opposed_fraction"] is not None]
+        for name, s in runs.items()
+    }
     return {
         "marble_step_ratio": round(timing["marble"] / timing["weighted_sum"], 4) if timing else None,
         "side_by_side_step_s": timing,
@@ -301,11 +312,15 @@ def balancers_result(runs: dict, timing: dict | None, overrides: list[str], sett
         "per_reward_delta": per_reward_delta,
         "keeps_half": keeps_half,
         "keeps_half_seeds": {name: sum(bool(v) for v in flags) for name, flags in keeps_half.items()},
-        "opposed_fraction": {name: statistics.mean(v) if v else None for name, v in opposed.items() if name in balancers},
+        "opposed_fraction": {
+            name: statistics.mean(v) if v else None for name, v in opposed.items() if name in balancers
+        },
         "step_s": {name: statistics.median(r["step_s"] for r in by_seed.values()) for name, by_seed in runs.items()},
         "offline_s": {name: _by_seed(s, lambda run: run["offline_s"]) for name, s in runs.items() if name == "smopd"},
         "alpha": {name: [r["alpha"] for r in s.values()] for name, s in balancers.items() if name.startswith("marble")},
-        "fallbacks": {name: [r["fallbacks"] for r in s.values()] for name, s in balancers.items() if name.startswith("marble")},
+        "fallbacks": {
+            name: [r["fallbacks"] for r in s.values()] for name, s in balancers.items() if name.startswith("marble")
+        },
         "base": next(iter(next(iter(runs.values())).values()))["base"] if runs else None,
         "world_by_count": world_by_count(),
         "runs": {name: {str(seed): run for seed, run in by_seed.items()} for name, by_seed in runs.items()},
@@ -351,7 +366,9 @@ def merge_balancers(paths: list[str | Path], out_json: str | Path | None = None)
     import json
 
     if len(paths) < 2:
-        raise ValueError(f"--merge names {len(paths)} file(s); name at least two balancer JSONs, e.g. --merge s0.json s1.json")
+        raise ValueError(
+            f"--merge names {len(paths)} file(s); name at least two balancer JSONs, e.g. --merge s0.json s1.json"
+        )
     runs: dict[str, dict[int, dict]] = {}
     first, timing, timed_by, first_path = None, None, None, None
     overrides: list[tuple] = []  # (path, overrides) of the timing-only parts
@@ -369,7 +386,8 @@ def merge_balancers(paths: list[str | Path], out_json: str | Path | None = None)
         if part["side_by_side_step_s"] is not None:
             if timing is not None:
                 raise ValueError(
-                    f"{path} and {timed_by} both carry a side-by-side timing; run all parts but one with --timing-steps 0"
+                    f"{path} and {timed_by} both carry a side-by-side timing; "
+                    "run all parts but one with --timing-steps 0"
                 )
             timing, timed_by = part["side_by_side_step_s"], path
         for name, by_seed in part["runs"].items():
@@ -378,10 +396,14 @@ def merge_balancers(paths: list[str | Path], out_json: str | Path | None = None)
                     raise ValueError(f"{path}: {name} seed {seed} is in two of the files; merge each run once")
                 runs.setdefault(name, {})[int(seed)] = run
     if first is None:
-        raise ValueError(f"none of {', '.join(map(str, paths))} has runs; merge seed parts (and at most one timing part)")
+        raise ValueError(
+            f"none of {', '.join(map(str, paths))} has runs; merge seed parts (and at most one timing part)"
+        )
     for path, other in overrides:
         if other != first[1]:
-            raise ValueError(f"{path}: its overrides {other} differ from {first_path}'s {first[1]}; merge like benches only")
+            raise ValueError(
+                f"{path}: its overrides {other} differ from {first_path}'s {first[1]}; merge like benches only"
+            )
     order = [n for n in ALL_RUNS if n in runs]
     runs = {name: dict(sorted(runs[name].items())) for name in order}
     seeds = sorted({seed for by_seed in runs.values() for seed in by_seed})

@@ -18,7 +18,8 @@ backend, in one process, side by side:
 
 The config's own backend is reported at the top level (a kernel backend this machine lacks is stood in for by its
 exact fake-quant emulation, named in "backend", the config's in "config_backend"), every backend under "backends" (a
-backend that cannot run here carries its one-line error). Published figures for comparison under "published" (docs/recipes/candidates.md).
+backend that cannot run here carries its one-line error). Published figures for comparison under "published"
+(docs/recipes/candidates.md).
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def _previews(model, sampler, prompts, pools, score_fn, full_sampler) -> tuple[l
 
 
 def fidelity(preview: list[torch.Tensor], full: list[torch.Tensor], kept: int, selection: str) -> dict[str, float]:
-    """Rank fidelity and capture of preview scores against full scores, one pool per prompt (see the module docstring)."""
+    """Rank fidelity and capture of preview scores against full scores, one pool per prompt (see the module
+    docstring)."""
     import statistics
 
     from flowrl.ranking import bottom_intrusion, kendall, nanmedian, select_indices, spearman, topk_overlap

@@ -154,7 +154,9 @@ def compare(model, spec: CallSpec, num_steps: int, batch_size: int, repeats: int
     def pipeline():
         with _sample_area(height, width, spec.sample_area):
             return model.pipe(
-                prompt=list(prompts),  # by name (FLUX.2 [klein]'s first argument is an image); a copy (Z-Image edits it)
+                prompt=list(
+                    prompts
+                ),  # by name (FLUX.2 [klein]'s first argument is an image); a copy (Z-Image edits it)
                 height=height,
                 width=width,
                 num_inference_steps=num_steps,
@@ -167,7 +169,12 @@ def compare(model, spec: CallSpec, num_steps: int, batch_size: int, repeats: int
         model.clear_prompt_cache()
         return sde(model, batch)
 
-    sides = {"pipeline": pipeline, "ode": lambda: ode(model, batch), "sde": lambda: sde(model, batch), "sde_cold": sde_cold}
+    sides = {
+        "pipeline": pipeline,
+        "ode": lambda: ode(model, batch),
+        "sde": lambda: sde(model, batch),
+        "sde_cold": sde_cold,
+    }
     with torch.no_grad():
         wall, cpu = interleaved_times(sides, repeats)
     med = {name: statistics.median(ts) for name, ts in wall.items()}
@@ -198,7 +205,9 @@ def compare(model, spec: CallSpec, num_steps: int, batch_size: int, repeats: int
     }
 
 
-def bench_rollout(repeats: int = 5, num_steps: int = 10, batch_size: int = 4, families: tuple[str, ...] | None = None) -> dict:
+def bench_rollout(
+    repeats: int = 5, num_steps: int = 10, batch_size: int = 4, families: tuple[str, ...] | None = None
+) -> dict:
     """Pipeline vs ODE vs SDE per family: {"settings": ..., "<family>": {...}, ...} (see the module docstring)."""
     import torch
 
@@ -215,7 +224,9 @@ def bench_rollout(repeats: int = 5, num_steps: int = 10, batch_size: int = 4, fa
             "num_steps": num_steps,
             "batch_size": batch_size,
             "repeats": repeats,
-            "statistic": "medians over interleaved rounds (ratios: of the per-round ratios), after one warm-up call each",
+            "statistic": (
+                "medians over interleaved rounds (ratios: of the per-round ratios), after one warm-up call each"
+            ),
             "threads": torch.get_num_threads(),
             "sde": "flow_grpo, noise_level 0.7, every transition but the last stochastic",
             "prompt_cache": "warm for ode and sde, cleared before every sde_cold call; the pipeline encodes every call",

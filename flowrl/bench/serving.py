@@ -20,18 +20,24 @@ import threading
 import time
 from pathlib import Path
 
-from flowrl.bench.speed import _in_fresh_thread, _served_reward
+from flowrl.bench.rewards import _in_fresh_thread, _served_reward
 
 
 def _service(name: str, sets: list[str], replicas: int, cpus: float, max_batch_size: int, batch_wait_ms: float):
-    """A `flowrl serve-reward NAME` process on Ray Serve (speed._served_reward with its replica options)."""
+    """A `flowrl serve-reward NAME` process on Ray Serve (flowrl.bench.rewards' `_served_reward` with its replica
+    options)."""
     engine = ("--replicas", str(replicas), "--cpus-per-replica", str(cpus), "--gpus-per-replica", "0")
     engine += ("--max-batch-size", str(max_batch_size), "--batch-wait-ms", str(batch_wait_ms))
     return _served_reward(name, sets, max(1, int(cpus)), engine)
 
 
 def bench_serve(
-    batch_size: int = 16, image_size: int = 224, rounds: int = 7, clients: int = 4, burst_rounds: int = 4, cpus: float = 1.0
+    batch_size: int = 16,
+    image_size: int = 224,
+    rounds: int = 7,
+    clients: int = 4,
+    burst_rounds: int = 4,
+    cpus: float = 1.0,
 ) -> dict:
     """The ratio remote/in-process at `batch_size` and images/s with 1 and 2 replicas (see the module docstring)."""
     import open_clip
@@ -90,7 +96,9 @@ def bench_serve(
         result["throughput"] = {}
         for replicas in (1, 2):
             with _service("clipscore", sets, replicas, cpus, batch_size, 10.0) as (url, _):
-                result["throughput"][f"{replicas}_replicas"] = _burst(url, images, prompts, metadata, clients, burst_rounds)
+                result["throughput"][f"{replicas}_replicas"] = _burst(
+                    url, images, prompts, metadata, clients, burst_rounds
+                )
         one, two = (result["throughput"][f"{n}_replicas"]["images_per_s"] for n in (1, 2))
         result["throughput"]["two_over_one"] = round(two / one, 3)
     return result

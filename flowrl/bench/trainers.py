@@ -7,10 +7,10 @@ Each recipe is a config file, `configs/toy/<name>.yaml`, run once per seed with 
 its trainer's `train_step()` `num_steps` times, with no checkpoint and no in-training evaluation. Only the
 `train_step()` calls are timed, so the seconds axis leaves evaluation out; an offline recipe's precomputed data (GDRO's
 pool, made before its first step) is billed at its first step from the seconds it recorded (`perf/offline_s`, or
-`perf/offline_cpu_s` with the cpu clock), whether this run made the pool or found it. The held-out accuracy is the demo's
-measurement (`flowrl.demo.heldout_scores`: every held-out prompt x fixed seeds through the ODE sampler), graded by
-the exact rule-based `toy_exact` checker (the headline) with the trained judge's reading beside it, taken at step 0
-(the base model), every `eval_every_n_steps` steps and at the final step, on the weights the recipe evaluates
+`perf/offline_cpu_s` with the cpu clock), whether this run made the pool or found it. The held-out accuracy is the
+demo's measurement (`flowrl.heldout.heldout_scores`: every held-out prompt x fixed seeds through the ODE sampler),
+graded by the exact rule-based `toy_exact` checker (the headline) with the trained judge's reading beside it, taken at
+step 0 (the base model), every `eval_every_n_steps` steps and at the final step, on the weights the recipe evaluates
 with (its EMA once one was updated and `eval.use_ema` holds, else the raw weights).
 
 The target is GRPO's median final exact accuracy over the seeds; a run reaches it at its first measured point at or
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from flowrl.bench.projection import median_if_most
+from flowrl.plan.projection import median_if_most
 
 REPO = Path(__file__).parents[2]  # = Path(flowrl.__file__).parents[1]
 TOY_CONFIGS = REPO / "configs" / "toy"
@@ -54,7 +54,9 @@ def toy_recipes(baseline: str = BASELINE) -> list[str]:
     """Every `configs/toy/*.yaml` stem of the baseline's world but the multi-reward ones (`multireward_*`, raced by
     `flowrl bench balancers`: three rewards, not the race's one), sorted, the baseline first."""
     if not TOY_CONFIGS.is_dir():
-        raise FileNotFoundError(f"no {TOY_CONFIGS} folder: `flowrl bench trainers` runs from a source checkout of flowrl")
+        raise FileNotFoundError(
+            f"no {TOY_CONFIGS} folder: `flowrl bench trainers` runs from a source checkout of flowrl"
+        )
     stems = sorted(p.stem for p in TOY_CONFIGS.glob("*.yaml") if not p.stem.startswith(MULTI_REWARD_PREFIX))
     return sorted((s for s in stems if world(s) == world(baseline)), key=lambda name: name != baseline)
 
@@ -94,7 +96,8 @@ def recipe_order(recipes: list[str] | None, part: bool = False, baseline: str = 
 
 
 def first_reaching(curve: list[list[float]], target: float | None) -> tuple[int | None, float | None]:
-    """(step, training seconds) of the first curve point [step, seconds, exact, judge, artifact] with exact >= target."""
+    """(step, training seconds) of the first curve point [step, seconds, exact, judge, artifact] with
+    exact >= target."""
     if target is None:
         return None, None
     for step, seconds, exact, *_ in curve:
@@ -104,12 +107,19 @@ def first_reaching(curve: list[list[float]], target: float | None) -> tuple[int 
 
 
 def _run_recipe(
-    recipe: str, seed: int, overrides: list[str], every: int | None, num_seeds: int, eval_steps, progress: bool, clock: str
+    recipe: str,
+    seed: int,
+    overrides: list[str],
+    every: int | None,
+    num_seeds: int,
+    eval_steps,
+    progress: bool,
+    clock: str,
 ):
     """One recipe x seed: its config's num_steps train steps, measured at 0, every `every` steps and at the end."""
     import torch
 
-    from flowrl.demo import heldout_scores, judge_checkpoint
+    from flowrl.heldout import heldout_scores, judge_checkpoint
     from flowrl.trainers import build_trainer, load_config
     from flowrl.training.loop import metered_step, progress_bar, show_progress
 
@@ -146,7 +156,9 @@ def _run_recipe(
                 tic = CLOCKS[clock]()
                 metrics = metered_step(trainer)
                 seconds += CLOCKS[clock]() - tic
-                seconds += metrics.get("perf/offline_cpu_s" if clock == "cpu" else "perf/offline_s", 0.0)  # a pool's cost
+                seconds += metrics.get(
+                    "perf/offline_cpu_s" if clock == "cpu" else "perf/offline_s", 0.0
+                )  # a pool's cost
                 for key, value in metrics.items():
                     if key.startswith("work/"):
                         work[key] = work.get(key, 0.0) + value
@@ -207,7 +219,9 @@ def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings
             "steps_to_target": [steps for steps, _ in reached],
             "seconds_to_target": [seconds for _, seconds in reached],
             **{
-                f"{key}_at_target": [value_at(run["curve"], steps, index) for run, (steps, _) in zip(by_seed.values(), reached)]
+                f"{key}_at_target": [
+                    value_at(run["curve"], steps, index) for run, (steps, _) in zip(by_seed.values(), reached)
+                ]
                 for key, index in (("artifact", 4), ("impossible", 5), ("diversity", 6))
             },
             "final_diversity": [value_at(run["curve"], run["curve"][-1][0], 6) for run in by_seed.values()],
@@ -219,7 +233,7 @@ def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings
         to_steps[name] = median_if_most(entry["steps_to_target"])
         to_seconds[name] = median_if_most(entry["seconds_to_target"])
     grpo_seconds = to_seconds.get(baseline)
-    from flowrl.bench.projection import projection
+    from flowrl.plan.projection import projection
 
     projected = projection(runs, settings["seeds"], baseline)
     return {
@@ -229,7 +243,8 @@ def race_result(runs: dict[str, dict[int, dict]], overrides: list[str], settings
         "steps_to_grpo_final": to_steps,
         "seconds_to_grpo_final": to_seconds,
         "seconds_ratio_to_grpo": {
-            name: round(s / grpo_seconds, 3) if s is not None and grpo_seconds else None for name, s in to_seconds.items()
+            name: round(s / grpo_seconds, 3) if s is not None and grpo_seconds else None
+            for name, s in to_seconds.items()
         },
         **(
             {
@@ -273,13 +288,13 @@ def bench_trainers(
 ) -> dict:
     """Race `recipes` (configs/toy/<name>.yaml stems; default all, grpo first) over `seeds` to GRPO's median final
     exact held-out accuracy. Measured at step 0, every `eval_every_n_steps` (default num_steps // 10, at least 1) and
-    at the final step, over every held-out prompt x `num_seeds` seeds (default flowrl.demo.SUMMARY_SEEDS) with
+    at the final step, over every held-out prompt x `num_seeds` seeds (default flowrl.heldout.SUMMARY_SEEDS) with
     `eval_num_steps` ODE steps (default the config's eval.num_steps). `overrides` (dotlist) apply to every recipe.
 
     Per recipe: per seed the final accuracies and artifact score, the first measured step and training seconds at
     or above the target (null if never), the artifact score, impossible-count rate and diversity there, the final
     diversity, the trainer's time shares (`time_shares`), and the curves [[step, seconds, exact, judge, artifact,
-    impossible, diversity], ...] (diversity: `flowrl.demo.heldout_scores`). The medians
+    impossible, diversity], ...] (diversity: `flowrl.heldout.heldout_scores`). The medians
     (`steps_to_grpo_final`, `seconds_to_grpo_final`, `seconds_ratio_to_grpo` = a recipe's median seconds over
     GRPO's) are over the seeds that reached the target, and null when fewer than half of the seeds reached it (the
     ratio also when GRPO's median seconds is 0: the base model already at the target). With `out_json`, the JSON is
@@ -288,17 +303,25 @@ def bench_trainers(
     """
     import torch
 
-    from flowrl.demo import SUMMARY_SEEDS
+    from flowrl.heldout import SUMMARY_SEEDS
     from flowrl.trainers import load_config
 
     order = recipe_order(recipes, part, baseline)
     seeds, overrides = list(seeds), list(overrides or [])
     if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds {','.join(map(str, seeds)) or '(none)'} must name at least one seed, each once, e.g. 0,1,2")
+        raise ValueError(
+            f"--seeds {','.join(map(str, seeds)) or '(none)'} must name at least one seed, each once, e.g. 0,1,2"
+        )
     num_seeds = SUMMARY_SEEDS if num_seeds is None else num_seeds
     if clock not in CLOCKS:
-        raise ValueError(f"--clock {clock!r} must be one of {', '.join(CLOCKS)} (cpu: process CPU time, for a shared machine)")
-    for flag, value in (("--eval-every", eval_every_n_steps), ("--heldout-seeds", num_seeds), ("eval_num_steps", eval_num_steps)):
+        raise ValueError(
+            f"--clock {clock!r} must be one of {', '.join(CLOCKS)} (cpu: process CPU time, for a shared machine)"
+        )
+    for flag, value in (
+        ("--eval-every", eval_every_n_steps),
+        ("--heldout-seeds", num_seeds),
+        ("eval_num_steps", eval_num_steps),
+    ):
         if value is not None and value < 1:
             raise ValueError(f"{flag}={value} must be >= 1")
     for name in order:  # every config and override loads before the first run starts
@@ -320,7 +343,8 @@ def bench_trainers(
         "platform": platform.platform(),
     }
     print(
-        f"{'recipe':<12} {'seed':>4} {'exact':>6} {'judge':>6} {'artifact':>8} {'train_s':>8} {'steps->t':>8} {'s->t':>8}",
+        f"{'recipe':<12} {'seed':>4} {'exact':>6} {'judge':>6} {'artifact':>8} {'train_s':>8} "
+        f"{'steps->t':>8} {'s->t':>8}",
         flush=True,
     )
     runs: dict[str, dict[int, dict]] = {}
@@ -342,8 +366,8 @@ def bench_trainers(
             if name == baseline and seed == seeds[-1]:
                 entry = result["recipes"][baseline]
                 print(
-                    f"target: exact accuracy {result['target_accuracy']:.4f} ({baseline}'s median final); it reaches it at "
-                    f"steps {entry['steps_to_target']}, seconds {entry['seconds_to_target']}",
+                    f"target: exact accuracy {result['target_accuracy']:.4f} ({baseline}'s median final); "
+                    f"it reaches it at steps {entry['steps_to_target']}, seconds {entry['seconds_to_target']}",
                     flush=True,
                 )
     _print_medians(result)
@@ -356,7 +380,10 @@ def _print_medians(result: dict) -> None:
     for name in result["recipes"]:
         steps, seconds = result["steps_to_grpo_final"][name], result["seconds_to_grpo_final"][name]
         ratio = result["seconds_ratio_to_grpo"][name]
-        print(f"{name}: median steps {_cell(steps)}, seconds {_cell(seconds, '{:.1f}')}, x grpo {_cell(ratio)}", flush=True)
+        print(
+            f"{name}: median steps {_cell(steps)}, seconds {_cell(seconds, '{:.1f}')}, x grpo {_cell(ratio)}",
+            flush=True,
+        )
 
 
 def merge_results(paths: list[str | Path], out_json: str | Path | None = None, baseline: str | None = None) -> dict:
@@ -365,7 +392,9 @@ def merge_results(paths: list[str | Path], out_json: str | Path | None = None, b
     held-out seeds, evaluation steps and interval, clock) and not repeat a (recipe, seed) run. The target is
     `baseline`'s median final accuracy (default: the parts' own baseline, GRPO unless they were run with another)."""
     if len(paths) < 2:
-        raise ValueError(f"--merge names {len(paths)} file(s); name at least two race JSONs, e.g. --merge s0.json s1.json")
+        raise ValueError(
+            f"--merge names {len(paths)} file(s); name at least two race JSONs, e.g. --merge s0.json s1.json"
+        )
     runs: dict[str, dict[int, dict]] = {}
     first = None
     for path in paths:
@@ -374,7 +403,9 @@ def merge_results(paths: list[str | Path], out_json: str | Path | None = None, b
         if first is None:
             first, host, own = same, part["host"], part["settings"].get("baseline", BASELINE)
         elif same != first:
-            raise ValueError(f"{path}: its settings or overrides {same} differ from {paths[0]}'s {first}; merge like races only")
+            raise ValueError(
+                f"{path}: its settings or overrides {same} differ from {paths[0]}'s {first}; merge like races only"
+            )
         for name, entry in part["recipes"].items():
             for k, seed in enumerate(entry["seeds"]):
                 if seed in runs.get(name, {}):
@@ -390,7 +421,9 @@ def merge_results(paths: list[str | Path], out_json: str | Path | None = None, b
                 }
     baseline = baseline or own
     if baseline not in runs:
-        raise ValueError(f"none of {', '.join(map(str, paths))} has {baseline} runs: the target is its median final accuracy")
+        raise ValueError(
+            f"none of {', '.join(map(str, paths))} has {baseline} runs: the target is its median final accuracy"
+        )
     runs = {name: dict(sorted(runs[name].items())) for name in [baseline] + [n for n in runs if n != baseline]}
     settings = {**first[0], **({"baseline": baseline} if baseline != own else {}), "seeds": sorted(runs[baseline])}
     result = race_result(runs, first[1], settings, host)
@@ -426,7 +459,9 @@ def plot_trainers(result: dict, path: str | Path) -> Path:
                     continue
                 label = f"{name} ({count} seed{'s' * (count > 1)})" if k == 0 else None
                 exact = [p[2] for p in curve]
-                ax.plot(x, exact, color=colours(i % 10), linewidth=1.0, alpha=0.85, marker=".", markersize=3, label=label)
+                ax.plot(
+                    x, exact, color=colours(i % 10), linewidth=1.0, alpha=0.85, marker=".", markersize=3, label=label
+                )
         if result["target_accuracy"] is not None:
             ax.axhline(
                 result["target_accuracy"],

@@ -143,7 +143,9 @@ def bench_tree(
     )
     independent = SAMPLERS.get("sde")(**common)
     leaves = tree.num_leaves
-    batch = PromptBatch(["two red circles"] * leaves, torch.zeros(leaves, dtype=torch.int64), seeds=torch.arange(leaves))
+    batch = PromptBatch(
+        ["two red circles"] * leaves, torch.zeros(leaves, dtype=torch.int64), seeds=torch.arange(leaves)
+    )
     result: dict = {
         "settings": {
             "leaves": leaves,

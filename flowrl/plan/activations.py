@@ -1,5 +1,5 @@
 """What autograd keeps of a forward, counted (on the meta device or the CPU), and the peak of live tensor storage,
-measured: the two halves of flowrl.bench.memory's check.
+measured: the two halves of flowrl.plan.memory's check.
 
     count = count_activations(meta_transformer, make_inputs, rows=8, checkpointing=True, working=True)
     peak = measure_peak(step, alive=[transformer, optimizer])  # bytes: what an estimate is checked against
@@ -103,7 +103,9 @@ def param_count(module: torch.nn.Module, trainable: bool | None = None) -> int:
     return sum(p.numel() for p in module.parameters() if trainable is None or p.requires_grad == trainable)
 
 
-def with_lora(module: torch.nn.Module, rank: int, targets: Iterable[str], alpha: float | None = None) -> torch.nn.Module:
+def with_lora(
+    module: torch.nn.Module, rank: int, targets: Iterable[str], alpha: float | None = None
+) -> torch.nn.Module:
     """`module` with a LoRA adapter added exactly as flowrl's models add one (flowrl.models.lora.LoRAMixin.add_lora:
     peft, only the adapter requires grad); works on the meta device. Returns the module."""
     from flowrl.models.lora import LoRAMixin
@@ -385,7 +387,9 @@ def measure_peak(fn: Callable[[], Any], alive: Iterable[Any] | None = None) -> i
     `alive` (modules, optimizers, tensors, containers of them: see `tensors_of`), or, when None, every tensor the
     garbage collector finds in the process."""
     tracker = _LiveStorages()
-    before = tensors_of(list(alive)) if alive is not None else (o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    before = (
+        tensors_of(list(alive)) if alive is not None else (o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    )
     for t in before:
         tracker.add(t)
     del before

@@ -1,5 +1,5 @@
 """The published configs of the real models, as data: each family's transformer (its `transformer/config.json` on
-the Hugging Face hub), the text encoders, the VAEs and the reward backbones. flowrl.models.archs builds them on the
+the Hugging Face hub), the text encoders, the VAEs and the reward backbones. flowrl.plan.archs builds them on the
 meta device; the comment above each config names where its values were read (the diffusers class defaults,
 diffusers' conversion scripts, or copies of the hub file). No weights are read and nothing downloads.
 """
@@ -201,16 +201,17 @@ CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hid
 CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
               max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")  # fmt: skip
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-              feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128)  # fmt: skip
+              feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
+              relative_attention_max_distance=128)  # fmt: skip
 UMT5_XXL = dict(T5_XXL, vocab_size=256384)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # VAEs (each model's vae/config.json)
 
 SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-               down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2,
-               norm_num_groups=32, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
-               use_post_quant_conv=False)  # fmt: skip
+               down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+               layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609,
+               use_quant_conv=False, use_post_quant_conv=False)  # fmt: skip
 FLUX_VAE = dict(SD3_VAE, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1 and Z-Image
 # black-forest-labs/FLUX.2-dev vae/config.json: the AutoencoderKLFlux2 defaults (32 latent channels, 2x2 patchified
 # to the transformer's 128)
@@ -218,8 +219,8 @@ FLUX2_VAE: dict = {}
 WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
 # Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json (the Wan2.2 VAE: 16x spatial, 48 latent channels)
 WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
-                 temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
-                 scale_factor_spatial=16, scale_factor_temporal=4)  # fmt: skip
+                 temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                 patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4)  # fmt: skip
 # Qwen/Qwen-Image vae/config.json (the AutoencoderKLQwenImage defaults)
 QWEN_VAE: dict = {}
 # Efficient-Large-Model/Sana_1600M_1024px_diffusers vae/config.json (DC-AE f32c32, SANA 1.0)
@@ -227,8 +228,22 @@ SANA_DC_AE = dict(
     in_channels=3,
     latent_channels=32,
     attention_head_dim=32,
-    encoder_block_types=("ResBlock", "ResBlock", "ResBlock", "EfficientViTBlock", "EfficientViTBlock", "EfficientViTBlock"),
-    decoder_block_types=("ResBlock", "ResBlock", "ResBlock", "EfficientViTBlock", "EfficientViTBlock", "EfficientViTBlock"),
+    encoder_block_types=(
+        "ResBlock",
+        "ResBlock",
+        "ResBlock",
+        "EfficientViTBlock",
+        "EfficientViTBlock",
+        "EfficientViTBlock",
+    ),
+    decoder_block_types=(
+        "ResBlock",
+        "ResBlock",
+        "ResBlock",
+        "EfficientViTBlock",
+        "EfficientViTBlock",
+        "EfficientViTBlock",
+    ),
     encoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
     decoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
     encoder_layers_per_block=(2, 2, 2, 3, 3, 3),
@@ -287,10 +302,10 @@ CLIP_VIT_L14 = dict(
 )  # fmt: skip
 # ImageReward: BLIP with vit="large" at 224 px (ViT-L/16) and the BERT-base text encoder of its med_config.json with
 # cross-attention to the image (encoder_width 1024), prompts cut at 35 tokens (THUDM/ImageReward ImageReward.py)
-BLIP_VIT_L = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, image_size=224,
-                  patch_size=16)  # fmt: skip
-BLIP_TEXT = dict(vocab_size=30524, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                 encoder_hidden_size=1024, max_position_embeddings=512)  # fmt: skip
+BLIP_VIT_L = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                  image_size=224, patch_size=16)  # fmt: skip
+BLIP_TEXT = dict(vocab_size=30524, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                 num_attention_heads=12, encoder_hidden_size=1024, max_position_embeddings=512)  # fmt: skip
 IMAGEREWARD_TEXT_TOKENS = 35
 # temporal consistency's default CLIP (open_clip ViT-B-32)
 OPEN_CLIP_VIT_B32 = {

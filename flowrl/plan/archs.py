@@ -1,10 +1,11 @@
 """The real architectures as data: each family's published transformer config, its VAE, its text encoders and its
 token geometry, and functions that build them on the meta device (no memory, seconds on a CPU).
 
-The configs themselves are in flowrl.models.arch_configs. A family is found from a run config's `model.path` with `family_of(path)` (each `Arch.matches` reads the hub id or
-folder name). `build_transformer(key)`, `build_vae(key)` and `build_reward_backbone(name)` construct the diffusers /
-transformers modules under `torch.device("meta")`; `transformer_inputs(key, ...)` gives meta tensors of the real
-shapes for one forward (batch 1, no CFG), which is what `flowrl.bench.cost` counts FLOPs on.
+The configs themselves are in flowrl.plan.arch_configs. A family is found from a run config's `model.path` with
+`family_of(path)` (each `Arch.matches` reads the hub id or folder name). `build_transformer(key)`, `build_vae(key)` and
+`build_reward_backbone(name)` construct the diffusers / transformers modules under `torch.device("meta")`;
+`transformer_inputs(key, ...)` gives meta tensors of the real shapes for one forward (batch 1, no CFG), which is what
+`flowrl.plan.cost` counts FLOPs on.
 
 Sources: each transformer config is its `transformer/config.json` on the Hugging Face hub (the comment above each
 names where the values were read: the diffusers class defaults, diffusers' conversion scripts, or copies of the
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowrl.models.arch_configs import (
+from flowrl.plan.arch_configs import (
     BLIP_TEXT,
     BLIP_VIT_L,
     CLIP_VIT_H14,
@@ -97,10 +98,10 @@ class Arch:
     """One model family at its published size.
 
     `patch` is the latent pixels per token side (a token covers vae.spatial * patch image pixels per side): the
-    transformer's patch size, or the 2x2 packing of FLUX.1 / Qwen-Image latents and FLUX.2's VAE; `text_tokens` the default number of text tokens the transformer sees (SD3: 77 CLIP + 256 T5); `true_cfg`
-    False for guidance-distilled models (one forward per step); `experts` the transformers resident (Wan2.2-A14B: two,
-    one runs per forward); `image_streams` how many images' tokens ride in the sequence (Qwen-Image-Edit: the target
-    and its source)."""
+    transformer's patch size, or the 2x2 packing of FLUX.1 / Qwen-Image latents and FLUX.2's VAE; `text_tokens` the
+    default number of text tokens the transformer sees (SD3: 77 CLIP + 256 T5); `true_cfg` False for guidance-distilled
+    models (one forward per step); `experts` the transformers resident (Wan2.2-A14B: two, one runs per forward);
+    `image_streams` how many images' tokens ride in the sequence (Qwen-Image-Edit: the target and its source)."""
 
     key: str
     transformer_cls: str
@@ -165,26 +166,37 @@ _LTX2_VAE = VAE("AutoencoderKLLTX2Video", LTX2_VAE, 32, 8, latent_channels=128, 
 
 # LLM text encoders: all parameters and the non-embedding ones, from the model cards (where a card gives no
 # non-embedding count: its total less the vision tower and hidden size x vocabulary per embedding / LM head matrix)
-MISTRAL_SMALL_31 = TextEncoder("Mistral-Small-3.1-24B", 24.0, 22.2, 512, source="model card 24.0 B; - vision 0.44 - 2 x 131072 x 5120")  # fmt: skip
+MISTRAL_SMALL_31 = TextEncoder(
+    "Mistral-Small-3.1-24B", 24.0, 22.2, 512, source="model card 24.0 B; - vision 0.44 - 2 x 131072 x 5120"
+)
 QWEN3_8B = TextEncoder("Qwen3-8B", 8.19, 6.95, 512, source="Qwen3-8B model card: 8.2 B, 6.95 B non-embedding")
 QWEN3_4B = TextEncoder("Qwen3-4B", 4.02, 3.6, 512, source="Qwen3-4B model card: 4.0 B, 3.6 B non-embedding")
 GEMMA2_2B = TextEncoder("Gemma-2-2B", 2.61, 2.02, 300, source="model card 2.61 B; - 256000 x 2304 (tied)")
-QWEN25_VL_7B = TextEncoder("Qwen2.5-VL-7B", 8.29, 6.53, 512, source="model card 8.29 B; LLM 6.53 B non-embedding (Qwen2.5-7B card)")  # fmt: skip
-GEMMA3_12B = TextEncoder("Gemma-3-12B", 12.19, 10.76, 1024, source="model card 12.19 B; - vision 0.42 - 262208 x 3840 (tied)")  # fmt: skip
-LTX2_CONNECTORS = TextEncoder("LTX-2 text connectors", 1.431, 1.431, 1024, source="counted on meta (LTX2TextConnectors)")
+QWEN25_VL_7B = TextEncoder(
+    "Qwen2.5-VL-7B", 8.29, 6.53, 512, source="model card 8.29 B; LLM 6.53 B non-embedding (Qwen2.5-7B card)"
+)
+GEMMA3_12B = TextEncoder(
+    "Gemma-3-12B", 12.19, 10.76, 1024, source="model card 12.19 B; - vision 0.42 - 262208 x 3840 (tied)"
+)
+LTX2_CONNECTORS = TextEncoder(
+    "LTX-2 text connectors", 1.431, 1.431, 1024, source="counted on meta (LTX2TextConnectors)"
+)
 
 ARCHS: dict[str, Arch] = {
     a.key: a
     for a in [
         Arch("sd3.5-medium", "SD3Transformer2DModel", SD35_MEDIUM, _SD3_VAE, _SD3_TEXT, patch=2, text_tokens=333,
-             include=(("stable-diffusion-3.5-medium",), ("sd3.5-medium",)), source="stabilityai/stable-diffusion-3.5-medium"),
+             include=(("stable-diffusion-3.5-medium",), ("sd3.5-medium",)),
+             source="stabilityai/stable-diffusion-3.5-medium"),
         Arch("sd3.5-large", "SD3Transformer2DModel", SD35_LARGE, _SD3_VAE, _SD3_TEXT, patch=2, text_tokens=333,
-             include=(("stable-diffusion-3.5-large",), ("sd3.5-large",)), source="stabilityai/stable-diffusion-3.5-large"),
-        Arch("flux.1-dev", "FluxTransformer2DModel", FLUX1_DEV, _FLUX_VAE, (CLIP_L_TEXT, _t5(512)), patch=2, text_tokens=512,
-             true_cfg=False, include=(("flux.1-",),), source="black-forest-labs/FLUX.1-dev"),
+             include=(("stable-diffusion-3.5-large",), ("sd3.5-large",)),
+             source="stabilityai/stable-diffusion-3.5-large"),
+        Arch("flux.1-dev", "FluxTransformer2DModel", FLUX1_DEV, _FLUX_VAE, (CLIP_L_TEXT, _t5(512)), patch=2,
+             text_tokens=512, true_cfg=False, include=(("flux.1-",),), source="black-forest-labs/FLUX.1-dev"),
         Arch("flux.2-klein-9b", "Flux2Transformer2DModel", FLUX2_KLEIN_9B, _FLUX2_VAE, (QWEN3_8B,), patch=2,
              text_tokens=512, include=(("flux.2-klein", "9b"),), source="black-forest-labs/FLUX.2-klein-base-9B",
-             notes="the base checkpoint runs true CFG; the step-distilled FLUX.2-klein-9B runs guidance 1 (one forward)"),
+             notes="the base checkpoint runs true CFG; the step-distilled FLUX.2-klein-9B runs guidance 1 "
+                   "(one forward)"),
         Arch("flux.2-klein-4b", "Flux2Transformer2DModel", FLUX2_KLEIN_4B, _FLUX2_VAE, (QWEN3_4B,), patch=2,
              text_tokens=512, include=(("flux.2-klein", "4b"),), source="black-forest-labs/FLUX.2-klein-base-4B"),
         Arch("flux.2-dev", "Flux2Transformer2DModel", FLUX2_DEV, _FLUX2_VAE, (MISTRAL_SMALL_31,), patch=2,
@@ -195,12 +207,15 @@ ARCHS: dict[str, Arch] = {
              video=True, default_size=(480, 832, 81), include=(("wan2.1", "1.3b"),),
              source="Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
         Arch("wan2.1-14b", "WanTransformer3DModel", WAN_14B, _WAN_VAE, (_umt5(512),), patch=2, text_tokens=512,
-             video=True, default_size=(720, 1280, 81), include=(("wan2.1", "14b"),), source="Wan-AI/Wan2.1-T2V-14B-Diffusers"),
-        Arch("wan2.2-ti2v-5b", "WanTransformer3DModel", WAN22_TI2V_5B, _WAN22_VAE, (_umt5(512),), patch=2, text_tokens=512,
-             video=True, default_size=(704, 1280, 121), include=(("wan2.2", "5b"),), source="Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
+             video=True, default_size=(720, 1280, 81), include=(("wan2.1", "14b"),),
+             source="Wan-AI/Wan2.1-T2V-14B-Diffusers"),
+        Arch("wan2.2-ti2v-5b", "WanTransformer3DModel", WAN22_TI2V_5B, _WAN22_VAE, (_umt5(512),), patch=2,
+             text_tokens=512, video=True, default_size=(704, 1280, 121), include=(("wan2.2", "5b"),),
+             source="Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
         Arch("wan2.2-a14b", "WanTransformer3DModel", WAN_14B, _WAN_VAE, (_umt5(512),), patch=2, text_tokens=512,
              video=True, experts=2, default_size=(720, 1280, 81), include=(("wan2.2", "a14b"),),
-             source="Wan-AI/Wan2.2-T2V-A14B-Diffusers", notes="two 14 B experts; one forward runs one (I2V: in_channels 36)"),
+             source="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+             notes="two 14 B experts; one forward runs one (I2V: in_channels 36)"),
         Arch("qwen-image", "QwenImageTransformer2DModel", QWEN_IMAGE, _QWEN_VAE, (QWEN25_VL_7B,), patch=2,
              text_tokens=512, include=(("qwen-image",),), exclude=("edit",), source="Qwen/Qwen-Image"),
         Arch("qwen-image-edit", "QwenImageTransformer2DModel", QWEN_IMAGE, _QWEN_VAE, (QWEN25_VL_7B,), patch=2,
@@ -210,8 +225,8 @@ ARCHS: dict[str, Arch] = {
              include=(("z-image",),), source="Tongyi-MAI/Z-Image-Turbo",
              notes="the Turbo checkpoint runs without CFG (guidance 0); the base model with it"),
         Arch("ltx-2", "LTX2VideoTransformer3DModel", LTX2, _LTX2_VAE, (GEMMA3_12B, LTX2_CONNECTORS), patch=1,
-             text_tokens=1024, video=True, default_size=(512, 768, 121), include=(("ltx-2",),), source="Lightricks/LTX-2",
-             notes="video and audio streams; both see the 1024 connector tokens"),
+             text_tokens=1024, video=True, default_size=(512, 768, 121), include=(("ltx-2",),),
+             source="Lightricks/LTX-2", notes="video and audio streams; both see the 1024 connector tokens"),
     ]
 }  # fmt: skip
 
@@ -256,7 +271,12 @@ def build_vae(family: str | Arch, device="meta") -> torch.nn.Module:
 
 
 def transformer_inputs(
-    family: str | Arch, height: int, width: int, num_frames: int | None = None, text_tokens: int | None = None, device="meta"
+    family: str | Arch,
+    height: int,
+    width: int,
+    num_frames: int | None = None,
+    text_tokens: int | None = None,
+    device="meta",
 ) -> dict:
     """Keyword arguments of one forward of the family's transformer, batch 1, as tensors of the real shapes on
     `device`: latents of a height x width image (x num_frames for video), `text_tokens` text tokens (default: the
@@ -273,39 +293,75 @@ def transformer_inputs(
 
     step = t(1)
     if cls == "SD3Transformer2DModel":
-        return dict(hidden_states=t(1, cfg["in_channels"], h, w), encoder_hidden_states=t(1, text, cfg["joint_attention_dim"]),
-                    pooled_projections=t(1, cfg["pooled_projection_dim"]), timestep=step)  # fmt: skip
+        return dict(
+            hidden_states=t(1, cfg["in_channels"], h, w),
+            encoder_hidden_states=t(1, text, cfg["joint_attention_dim"]),
+            pooled_projections=t(1, cfg["pooled_projection_dim"]),
+            timestep=step,
+        )
     if cls == "FluxTransformer2DModel":
-        return dict(hidden_states=t(1, n, cfg["in_channels"]), encoder_hidden_states=t(1, text, cfg["joint_attention_dim"]),
-                    pooled_projections=t(1, cfg["pooled_projection_dim"]), timestep=step, img_ids=t(n, 3), txt_ids=t(text, 3),
-                    guidance=step if cfg.get("guidance_embeds") else None)  # fmt: skip
+        return dict(
+            hidden_states=t(1, n, cfg["in_channels"]),
+            encoder_hidden_states=t(1, text, cfg["joint_attention_dim"]),
+            pooled_projections=t(1, cfg["pooled_projection_dim"]),
+            timestep=step,
+            img_ids=t(n, 3),
+            txt_ids=t(text, 3),
+            guidance=step if cfg.get("guidance_embeds") else None,
+        )
     if cls == "Flux2Transformer2DModel":
-        return dict(hidden_states=t(1, n, cfg["in_channels"]), encoder_hidden_states=t(1, text, cfg["joint_attention_dim"]),
-                    timestep=step, img_ids=t(1, n, 4), txt_ids=t(1, text, 4),
-                    guidance=step if cfg.get("guidance_embeds") else None)  # fmt: skip
+        return dict(
+            hidden_states=t(1, n, cfg["in_channels"]),
+            encoder_hidden_states=t(1, text, cfg["joint_attention_dim"]),
+            timestep=step,
+            img_ids=t(1, n, 4),
+            txt_ids=t(1, text, 4),
+            guidance=step if cfg.get("guidance_embeds") else None,
+        )
     if cls == "SanaTransformer2DModel":
-        return dict(hidden_states=t(1, cfg["in_channels"], h, w), encoder_hidden_states=t(1, text, cfg["caption_channels"]),
-                    timestep=step)  # fmt: skip
+        return dict(
+            hidden_states=t(1, cfg["in_channels"], h, w),
+            encoder_hidden_states=t(1, text, cfg["caption_channels"]),
+            timestep=step,
+        )
     if cls == "WanTransformer3DModel":
-        return dict(hidden_states=t(1, cfg["in_channels"], arch.latent_frames(num_frames), h, w), timestep=step,
-                    encoder_hidden_states=t(1, text, cfg["text_dim"]))  # fmt: skip
+        return dict(
+            hidden_states=t(1, cfg["in_channels"], arch.latent_frames(num_frames), h, w),
+            timestep=step,
+            encoder_hidden_states=t(1, text, cfg["text_dim"]),
+        )
     if cls == "QwenImageTransformer2DModel":
         shapes = [[(1, gh, gw)] * arch.image_streams]
-        return dict(hidden_states=t(1, n, cfg["in_channels"]), encoder_hidden_states=t(1, text, cfg["joint_attention_dim"]),
-                    encoder_hidden_states_mask=None, timestep=step, img_shapes=shapes)  # fmt: skip
+        return dict(
+            hidden_states=t(1, n, cfg["in_channels"]),
+            encoder_hidden_states=t(1, text, cfg["joint_attention_dim"]),
+            encoder_hidden_states_mask=None,
+            timestep=step,
+            img_shapes=shapes,
+        )
     if cls == "ZImageTransformer2DModel":
         return dict(x=[t(cfg["in_channels"], 1, h, w)], t=step, cap_feats=[t(text, cfg["cap_feat_dim"])])
     if cls == "LTX2VideoTransformer3DModel":
         frames = arch.latent_frames(num_frames)
         audio = arch.audio_tokens(num_frames)
-        return dict(hidden_states=t(1, n, cfg["in_channels"]), audio_hidden_states=t(1, audio, cfg["audio_in_channels"]),
-                    encoder_hidden_states=t(1, text, cfg["caption_channels"]),
-                    audio_encoder_hidden_states=t(1, text, cfg["caption_channels"]), timestep=step, num_frames=frames,
-                    height=gh, width=gw, fps=LTX2_FPS, audio_num_frames=audio)  # fmt: skip
+        return dict(
+            hidden_states=t(1, n, cfg["in_channels"]),
+            audio_hidden_states=t(1, audio, cfg["audio_in_channels"]),
+            encoder_hidden_states=t(1, text, cfg["caption_channels"]),
+            audio_encoder_hidden_states=t(1, text, cfg["caption_channels"]),
+            timestep=step,
+            num_frames=frames,
+            height=gh,
+            width=gw,
+            fps=LTX2_FPS,
+            audio_num_frames=audio,
+        )
     raise ValueError(f"no inputs for {cls}")
 
 
-def vae_latents(family: str | Arch, height: int, width: int, num_frames: int | None = None, device="meta") -> torch.Tensor:
+def vae_latents(
+    family: str | Arch, height: int, width: int, num_frames: int | None = None, device="meta"
+) -> torch.Tensor:
     """The latents one image (video) decodes from, batch 1, on `device`."""
     arch = get(family)
     h, w = int(height) // arch.vae.spatial, int(width) // arch.vae.spatial
@@ -331,7 +387,8 @@ class RewardBackbone:
 
 
 REWARD_BACKBONES: dict[str, RewardBackbone] = {
-    "clip-vit-h-14": RewardBackbone("clip", CLIP_VIT_H14, source="laion/CLIP-ViT-H-14-laion2B-s32B-b79K (PickScore_v1, HPSv2)"),
+    "clip-vit-h-14": RewardBackbone("clip", CLIP_VIT_H14,
+                                    source="laion/CLIP-ViT-H-14-laion2B-s32B-b79K (PickScore_v1, HPSv2)"),
     "clip-vit-l-14": RewardBackbone("clip", CLIP_VIT_L14, source="openai/clip-vit-large-patch14"),
     "blip-vit-l": RewardBackbone("blip", dict(vision=BLIP_VIT_L, text=BLIP_TEXT), text_tokens=IMAGEREWARD_TEXT_TOKENS,
                                  source="THUDM/ImageReward: BLIP ViT-L/16 at 224 + BERT-base with cross-attention"),
@@ -342,7 +399,8 @@ REWARD_BACKBONES: dict[str, RewardBackbone] = {
     # embedding. A hand count (2 x parameters x tokens): the vision tower does not run on meta (it reads grid_thw);
     # the LLM counted on meta at 750 tokens is 2.3% above the hand count (attention)
     "qwen2-vl-7b": RewardBackbone("params", {"vision_params_b": 0.676, "vision_tokens": 1024}, text_tokens=790,
-                                  params_b=6.526, source="hand count: Qwen2-VL-7B at 448 px, 1024 patches, ~790 LLM tokens"),
+                                  params_b=6.526,
+                                  source="hand count: Qwen2-VL-7B at 448 px, 1024 patches, ~790 LLM tokens"),
     # DINOv2-base (facebook/dinov2-base) at 224: 86.6 M parameters, 257 tokens
     "dinov2-base": RewardBackbone("params", {}, text_tokens=0, params_b=0.0866, image_tokens=257,
                                   source="facebook/dinov2-base model card (86.6 M) at 224 px"),

@@ -3,7 +3,7 @@
 Counted (on the meta device, no weights, seconds on a CPU):
 
 - one transformer forward (batch 1, no CFG): `torch.utils.flop_counter.FlopCounterMode` around a forward of the
-  family's published transformer (flowrl.models.archs) with meta inputs of the real shapes. Attention FLOPs are what
+  family's published transformer (flowrl.plan.archs) with meta inputs of the real shapes. Attention FLOPs are what
   the counter attributes to the attention products (SDPA runs as batched matmuls on meta: `bmm`), linear FLOPs the
   rest (`mm`, `addmm`, convolutions). `hand_count` is an independent second formula, 2 x (parameters a token
   passes through) x tokens + 4 x S_q x S_k x d per attention, and agrees within a few percent for every family;
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowrl.models import archs
+from flowrl.plan import archs
 
 # ---------------------------------------------------------------------------------------------------------------------
 # one forward
@@ -216,8 +216,8 @@ def hand_count(
     p = stream_params(family)
     linear = 2 * sum(p[g] * 1e9 * tokens[g] for g in p) / 1e12
     attention = sum(4 * layers * sq * sk * d for layers, sq, sk, d in attention_terms(family, n, text, a)) / 1e12
-    return ForwardCost(linear + attention, linear, attention, sum(p.values()), arch.image_tokens(height, width, num_frames),
-                       text)  # fmt: skip
+    image_tokens = arch.image_tokens(height, width, num_frames)
+    return ForwardCost(linear + attention, linear, attention, sum(p.values()), image_tokens, text)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -284,11 +284,15 @@ REWARDS: dict[str, RewardCost] = {
     "hpsv3": RewardCost("qwen2-vl-7b", note="HPSv3: Qwen2-VL-7B, hand count (448 px, ~790 LLM tokens)"),
     "clipscore": RewardCost("clip-vit-l-14", note="CLIP ViT-L/14 image + prompt"),
     "aesthetic": RewardCost("clip-vit-l-14", ("vision",), note="CLIP ViT-L/14 image + an MLP head"),
-    "image_consistency": RewardCost("clip-vit-l-14", ("vision",), images=2, note="CLIP ViT-L/14: the image and its source"),
+    "image_consistency": RewardCost(
+        "clip-vit-l-14", ("vision",), images=2, note="CLIP ViT-L/14: the image and its source"
+    ),
     "imagereward": RewardCost("blip-vit-l", note="BLIP ViT-L/16 image + BERT-base prompt with cross-attention"),
     "temporal_consistency": RewardCost("clip-vit-b-32", ("vision",), note="open_clip ViT-B-32 per frame"),
     "dino_similarity": RewardCost("dinov2-base", ("vision",), note="DINOv2-base at 224 px (references cached)"),
-    "adversarial": RewardCost("dinov2-base", ("vision",), note="adv_grpo's RM: DINOv2-base (priced at 224 px) + a small head"),
+    "adversarial": RewardCost(
+        "dinov2-base", ("vision",), note="adv_grpo's RM: DINOv2-base (priced at 224 px) + a small head"
+    ),
     "ocr": RewardCost(None, note="RapidOCR / tesseract on the CPU: no GPU work"),
     "jpeg_compressibility": RewardCost(None, note="a JPEG encode on the CPU"),
     "jpeg_incompressibility": RewardCost(None, note="a JPEG encode on the CPU"),
@@ -318,7 +322,8 @@ def _backbone_tflops(name: str) -> dict[str, float]:
         return {"vision": count_flops(parts["vision"], pixels)[0], "text": 0.0}
     vision = count_flops(parts["vision"], pixel_values=pixels)[0]
     if spec.kind == "blip":
-        image = torch.empty(1, (size // spec.config["vision"]["patch_size"]) ** 2 + 1, spec.config["vision"]["hidden_size"], device="meta")  # fmt: skip
+        vision_cfg = spec.config["vision"]
+        image = torch.empty(1, (size // vision_cfg["patch_size"]) ** 2 + 1, vision_cfg["hidden_size"], device="meta")
         return {"vision": vision, "text": count_flops(parts["text"], input_ids=ids, encoder_hidden_states=image)[0]}
     return {"vision": vision, "text": count_flops(parts["text"], input_ids=ids)[0]}
 

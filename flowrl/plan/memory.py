@@ -1,9 +1,10 @@
-"""Peak memory per GPU of a training run: activations counted from a real forward (flowrl.bench.activations), the
+"""Peak memory per GPU of a training run: activations counted from a real forward (flowrl.plan.activations), the
 rest from parameter counts.
 
     count = count_activations(meta_transformer, make_inputs, rows=8, checkpointing=True, working=True)
     plan = MemoryPlan(params=..., lora_params=..., rows=8, checkpointing=True,
-                      activation_row_bytes={(True, True): count.total / 8}, transient_bytes={(True, True): count.transient})
+                      activation_row_bytes={(True, True): count.total / 8},
+                      transient_bytes={(True, True): count.transient})
     parts = estimate_peak(plan)                   # GiB per component and "total"
     if not fits(parts["total"], 80):
         print(suggestion(plan, 80))               # the changes that bring it under, each computed
@@ -197,7 +198,9 @@ def _alternatives(plan: MemoryPlan, gpu_gib: float) -> dict[str, tuple[str, Memo
         what = "enable gradient checkpointing (model.use_gradient_checkpointing: true)"
         out["checkpointing"] = (what, dataclasses.replace(plan, checkpointing=True))
     if not plan.use_lora and plan.lora_params > 0 and (True, plan.checkpointing) in plan.activation_row_bytes:
-        what = f"train LoRA ({plan.lora_params / 1e6:.1f} M parameters) instead of the full model (model.use_lora: true)"
+        what = (
+            f"train LoRA ({plan.lora_params / 1e6:.1f} M parameters) instead of the full model (model.use_lora: true)"
+        )
         out["lora"] = (what, dataclasses.replace(plan, use_lora=True, reference_copy=False))
     offloadable = [f for f in plan.frozen if f.offloadable and not f.offloaded]
     if offloadable:
@@ -209,7 +212,8 @@ def _alternatives(plan: MemoryPlan, gpu_gib: float) -> dict[str, tuple[str, Memo
         rest = estimate_bytes(plan)["total"] - row * plan.rows
         rows = max(1, min(plan.rows - 1, int((gpu_gib * GIB - rest) // row) if row else plan.rows - 1))
         what = (
-            f"a smaller micro-batch: {rows} rows instead of {plan.rows} (train.num_minibatches x {math.ceil(plan.rows / rows)})"
+            f"a smaller micro-batch: {rows} rows instead of {plan.rows} "
+            f"(train.num_minibatches x {math.ceil(plan.rows / rows)})"
         )
         out["rows"] = (what, dataclasses.replace(plan, rows=rows))
     more = [n for n in FSDP_GPUS if n > (plan.num_gpus if plan.sharding == "fsdp" else 1)]
@@ -241,7 +245,11 @@ def suggestion(plan: MemoryPlan, gpu_gib: float) -> str:
             enough = [(what, t) for what, p in enough if fits(t := estimate_peak(p)["total"], gpu_gib)]
             if steps and enough:
                 either = " or ".join(f"{what} ({t:.1f} GiB)" for what, t in enough)
-                return f"{head}; no single change brings it under, together these do: " + "; ".join(steps) + f"; then {either}"
+                return (
+                    f"{head}; no single change brings it under, together these do: "
+                    + "; ".join(steps)
+                    + f"; then {either}"
+                )
         change = alternatives.get(kind)
         if change is None or estimate_peak(change[1])["total"] >= estimate_peak(combined)["total"]:
             continue
@@ -249,5 +257,9 @@ def suggestion(plan: MemoryPlan, gpu_gib: float) -> str:
         combined = change[1]
         total = estimate_peak(combined)["total"]
         if fits(total, gpu_gib):
-            return f"{head}; no single change brings it under, together these do: " + "; ".join(steps) + f" ({total:.1f} GiB)"
+            return (
+                f"{head}; no single change brings it under, together these do: "
+                + "; ".join(steps)
+                + f" ({total:.1f} GiB)"
+            )
     return f"{head}, even with every change the estimate knows ({estimate_peak(combined)['total']:.1f} GiB)"

@@ -9,10 +9,10 @@ it fits.
    batch on one CPU process. The work meter (flowrl.work) counts what the step runs: transformer rows forward and
    backward, previews, decodes, text encodes, reward calls. None of those counts depend on the resolution or the
    width of the network, so they are the real run's counts.
-2. **The price comes from the real architecture** (flowrl.bench.cost): the family's published transformer built on
+2. **The price comes from the real architecture** (flowrl.plan.cost): the family's published transformer built on
    the meta device, its FLOPs counted at the config's resolution and text length, the hardware table and an
    efficiency η (research code 0.11, tuned 0.4; docs/cost.md). Data parallel: each GPU does 1/N of the step.
-3. **The memory comes from the real architecture too** (flowrl.bench.memory): parameters counted on meta, the LoRA
+3. **The memory comes from the real architecture too** (flowrl.plan.memory): parameters counted on meta, the LoRA
    adapter's parameters by adding it there, activations of one row counted with saved-tensor hooks on meta, times the
    rows of one micro-batch (the minibatch one backward runs on, classifier-free guidance doubling it), plus text
    encoders, VAE and reward models resident, divided as FSDP2 / ZeRO-2 shard them.
@@ -85,8 +85,8 @@ def step_work(config: str | Path, overrides: list[str] = ()) -> tuple[dict[str, 
     Prompt groups are independent, so the stand-in runs the fewest of the step's groups that the config accepts (a
     divisor k of data.num_prompts_per_step: its chunks and minibatches must divide) and the counts are scaled by
     num_prompts_per_step / k; its text encoders run at 8 tokens (the price uses the real length)."""
-    from flowrl.models import archs
     from flowrl.models.tiny import TINY_SIZES, build_tiny_pipeline
+    from flowrl.plan import archs
     from flowrl.trainers import build_trainer, load_config, trainer_class
     from flowrl.training.loop import metered_step
     from flowrl.training.scoring import standing_in
@@ -95,7 +95,12 @@ def step_work(config: str | Path, overrides: list[str] = ()) -> tuple[dict[str, 
     prompts = cfg.data.num_prompts_per_step
     with tempfile.TemporaryDirectory(prefix="flowrl-plan-") as tmp:
         # a recipe's own settings that leave the per-step price alone, made small (SMOPD: its teachers' steps)
-        stand_in = [*STAND_IN, *getattr(trainer_class(cfg.trainer), "plan_overrides", ()), f"output_dir={tmp}", "name=plan"]
+        stand_in = [
+            *STAND_IN,
+            *getattr(trainer_class(cfg.trainer), "plan_overrides", ()),
+            f"output_dir={tmp}",
+            "name=plan",
+        ]
         if cfg.model.path != "toy":
             family = archs.family_of(cfg.model.path).key
             tiny = tiny_family(family, cfg.model.path)
@@ -105,7 +110,9 @@ def step_work(config: str | Path, overrides: list[str] = ()) -> tuple[dict[str, 
             if frames:
                 stand_in.append(f"sampler.num_frames={frames}")
             if any(word in tiny for word in ("edit", "i2v")):  # a source image keeps the config's aspect
-                height, width = _smallest_same_aspect(cfg.sampler.kwargs.get("height"), cfg.sampler.kwargs.get("width"), height)
+                height, width = _smallest_same_aspect(
+                    cfg.sampler.kwargs.get("height"), cfg.sampler.kwargs.get("width"), height
+                )
             stand_in += [f"sampler.height={height}", f"sampler.width={width}"]
             if _prompt_length_settable(folder) and "edit" not in tiny:  # an edit prompt carries its image
                 stand_in.append("model.max_sequence_length=8")
@@ -125,7 +132,9 @@ def step_work(config: str | Path, overrides: list[str] = ()) -> tuple[dict[str, 
                 continue
             with standing_in():
                 metrics = metered_step(trainer)
-            for key, value in getattr(trainer, "offline_work", {}).items():  # an offline pool's work, billed once (gdro)
+            for key, value in getattr(
+                trainer, "offline_work", {}
+            ).items():  # an offline pool's work, billed once (gdro)
                 metrics[key] -= value
             if trainer.parts.scorer is not None:
                 trainer.parts.scorer.close()
@@ -172,7 +181,7 @@ class Geometry:
 
 def geometry(cfg) -> Geometry:
     """The real family and sample size of a config (a toy config: SD3.5-Medium at 512 px)."""
-    from flowrl.models import archs
+    from flowrl.plan import archs
 
     if cfg.model.path == "toy":
         family, height, width, frames = TOY_PRICED_AS
@@ -206,21 +215,23 @@ def micro_batch_rows(cfg, num_gpus: int, true_cfg: bool) -> int:
 
 
 def memory_plan(cfg, geo: Geometry, num_gpus: int, sharding: str):
-    """The MemoryPlan of the config's run on `num_gpus` GPUs (flowrl.bench.memory): the real transformer on meta,
+    """The MemoryPlan of the config's run on `num_gpus` GPUs (flowrl.plan.memory): the real transformer on meta,
     in the dtype its activations take (16 bits under bf16/fp16 autocast), activations counted per row and the working
     memory of a backward at the plan's rows."""
     import torch
 
-    from flowrl.bench import activations, memory
-    from flowrl.models import archs, parse_dtype
+    from flowrl.models import parse_dtype
     from flowrl.models.lora import LoRAMixin
+    from flowrl.plan import activations, archs, memory
 
     arch = archs.get(geo.family)
     module = archs.build_transformer(arch)
     params = activations.param_count(module)
     largest = max((activations.param_count(b) for name, b in module.named_modules() if _is_block(name)), default=0)
     targets = tuple(cfg.model.lora_target_modules or LoRAMixin.lora_target_modules)
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.mixed_precision, parse_dtype(cfg.model.dtype))
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        cfg.model.mixed_precision, parse_dtype(cfg.model.dtype)
+    )
     rows = micro_batch_rows(cfg, num_gpus, arch.true_cfg)
 
     def inputs(n: int):
@@ -248,7 +259,9 @@ def memory_plan(cfg, geo: Geometry, num_gpus: int, sharding: str):
         for ckpt in (own[1], not own[1]):
             # the working memory of a backward is counted for the config's own mode (the slow part); the other
             # modes, which only the suggestions use, take it from there
-            count = activations.count_activations(net, inputs, rows=rows, checkpointing=ckpt, working=(lora, ckpt) == own)
+            count = activations.count_activations(
+                net, inputs, rows=rows, checkpointing=ckpt, working=(lora, ckpt) == own
+            )
             per_row[(lora, ckpt)] = count.total / rows
             transient[(lora, ckpt)] = count.transient if (lora, ckpt) == own else None
     transient = {mode: transient[own] if t is None else t for mode, t in transient.items()}
@@ -264,7 +277,9 @@ def memory_plan(cfg, geo: Geometry, num_gpus: int, sharding: str):
         weight_dtype=cfg.model.dtype,
         mixed_precision=cfg.model.mixed_precision,
         reference_copy=not cfg.model.use_lora and cfg.trainer == "adjoint_matching",
-        adapter_copies=1 if cfg.trainer in ("nft", "ram", "awm", "dgpo") and cfg.model.use_lora else 0,  # old / EMA adapter
+        adapter_copies=1
+        if cfg.trainer in ("nft", "ram", "awm", "dgpo") and cfg.model.use_lora
+        else 0,  # old / EMA adapter
         use_ema=bool(t.use_ema),
         frozen=_frozen(cfg, arch),
         sharding=sharding,
@@ -286,16 +301,19 @@ def _is_block(name: str) -> bool:
 
 def _frozen(cfg, arch) -> tuple:
     """Text encoders, VAE, a second expert and reward models resident beside the trained transformer."""
-    from flowrl.bench import activations, cost, memory
-    from flowrl.models import archs
+    from flowrl.plan import activations, archs, cost, memory
 
     out = []
     for enc in arch.text_encoders:
-        out.append(memory.Frozen(enc.name, int(enc.params_b * 1e9), cfg.model.dtype, cfg.model.offload_text_encoders, True))
+        out.append(
+            memory.Frozen(enc.name, int(enc.params_b * 1e9), cfg.model.dtype, cfg.model.offload_text_encoders, True)
+        )
     vae = archs.build_vae(arch)
     out.append(memory.Frozen("vae", activations.param_count(vae), cfg.model.dtype))
     if arch.experts > 1:
-        out.append(memory.Frozen("second expert", activations.param_count(archs.build_transformer(arch)), cfg.model.dtype))
+        out.append(
+            memory.Frozen("second expert", activations.param_count(archs.build_transformer(arch)), cfg.model.dtype)
+        )
     for name in _rewards(cfg):
         params = cost.reward_params(name)
         if params:
@@ -312,7 +330,7 @@ def plan(
     json_out: str | Path | None = None,
 ) -> dict:
     """The plan of `config` on `num_gpus` GPUs (each of GPUS, or only `gpu`); written to `json_out` when given."""
-    from flowrl.bench import cost, memory
+    from flowrl.plan import cost, memory
 
     _quiet()
     if gpu is not None and gpu not in GPUS:
@@ -339,7 +357,12 @@ def plan(
         "trainer": cfg.trainer,
         "family": geo.family,
         "priced_as_toy": geo.priced_as_toy,
-        "size": {"height": geo.height, "width": geo.width, "num_frames": geo.num_frames, "text_tokens": geo.text_tokens},
+        "size": {
+            "height": geo.height,
+            "width": geo.width,
+            "num_frames": geo.num_frames,
+            "text_tokens": geo.text_tokens,
+        },
         "num_gpus": num_gpus,
         "sharding": sharding,
         "num_steps": cfg.num_steps,
@@ -383,9 +406,11 @@ def render(result: dict) -> str:
     size = result["size"]
     what = f"{size['height']}x{size['width']}" + (f"x{size['num_frames']}" if size["num_frames"] else "")
     lines = [
-        f"{result['config']}: trainer {result['trainer']}, {result['family']} at {what}, {size['text_tokens']} text tokens"
+        f"{result['config']}: trainer {result['trainer']}, {result['family']} at {what}, "
+        f"{size['text_tokens']} text tokens"
         + (" (a toy config, priced as SD3.5-Medium at 512 px)" if result["priced_as_toy"] else ""),
-        f"  transformer: {result['params_b']:.2f} B parameters, {result['transformer_forward_tflops']:.2f} TFLOP per forward",
+        f"  transformer: {result['params_b']:.2f} B parameters, "
+        f"{result['transformer_forward_tflops']:.2f} TFLOP per forward",
         "  one step: "
         + ", ".join(
             [

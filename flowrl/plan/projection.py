@@ -2,7 +2,7 @@
 
 The race (flowrl.bench.trainers) records, at every measured point of a run, the work its steps did so far: transformer
 rows forward and backward, previews, decodes, text encodes, reward calls. Here that work is priced as if the same
-recipe ran on SD3.5-Medium at 512 px (flowrl.bench.cost: FLOPs counted on the real architecture, the GPU's peak, an
+recipe ran on SD3.5-Medium at 512 px (flowrl.plan.cost: FLOPs counted on the real architecture, the GPU's peak, an
 efficiency η): on an H100, whose previews run in FP8, and on a B200, whose previews run in NVFP4. A toy reward is
 priced as a CLIP ViT-H-14 reward (PickScore's backbone).
 
@@ -33,7 +33,7 @@ def median_if_most(values: list) -> float | None:
 
 @functools.cache
 def _size():
-    from flowrl.bench import cost
+    from flowrl.plan import cost
 
     family, height, width, frames = PRICED_AS
     return cost.real_size(family, height, width, frames)
@@ -53,7 +53,7 @@ def race_work(work: dict[str, float], gpu: str) -> dict[str, float]:
 
 def projected_seconds(work: dict[str, float], gpu: str) -> float:
     """GPU-seconds of `work` at SD3.5-Medium 512 px on `gpu` (η research)."""
-    from flowrl.bench import cost
+    from flowrl.plan import cost
 
     return cost.price(race_work(work, gpu), _size(), gpu, cost.ETA[ETA])["seconds"]
 
@@ -80,7 +80,9 @@ def projection(runs: dict[str, dict[int, dict]], seeds: list[int], main_baseline
         last = next(iter(by_seed.values()))
         if last.get("work_curve"):
             steps = last["curve"][-1][0]
-            entry["work_per_step"] = {k: round(v / steps, 3) for k, v in last["work_curve"][-1].items()} if steps else None
+            entry["work_per_step"] = (
+                {k: round(v / steps, 3) for k, v in last["work_curve"][-1].items()} if steps else None
+            )
         for gpu in PREVIEW_FORMAT:
             curves = {seed: projected_curve(run, gpu) for seed, run in by_seed.items()}
             entry.setdefault("curves", {})[gpu] = list(curves.values())
@@ -102,7 +104,7 @@ def projection(runs: dict[str, dict[int, dict]], seeds: list[int], main_baseline
         "eta": ETA,
         "assumes": (
             "steps to a target transfer from the toy world; a step's work keeps the toy recipe's structure at "
-            "SD3.5-Medium 512 px's price per unit (flowrl.bench.projection)"
+            "SD3.5-Medium 512 px's price per unit (flowrl.plan.projection)"
         ),
         "targets": targets,
         "recipes": per_recipe,

@@ -73,7 +73,11 @@ def test_validity_and_half_gain_worked_out_on_made_up_runs():
     singles = {  # per seed: the trained reward's gain and the others' changes
         a: [{a: 0.2, b: -1.0, c: 5.0, d: 0.0}, {a: 0.1, b: -0.5, c: -1.0, d: 0.1}, {a: 0.3, b: 0.5, c: 2.0, d: 0.0}],
         b: [{a: 0.0, b: 1.0, c: 0.0, d: 0.0}] * 3,
-        c: [{a: -0.1, b: 0.0, c: 10.0, d: -0.1}, {a: -0.1, b: 0.0, c: 10.0, d: 0.1}, {a: 0.1, b: 0.0, c: -2.0, d: -0.1}],
+        c: [
+            {a: -0.1, b: 0.0, c: 10.0, d: -0.1},
+            {a: -0.1, b: 0.0, c: 10.0, d: 0.1},
+            {a: 0.1, b: 0.0, c: -2.0, d: -0.1},
+        ],
         d: [{a: 0.0, b: 0.0, c: 0.0, d: 0.1}] * 3,
     }
     runs = {f"single_{r}": {seed: made_up_run(x) for seed, x in enumerate(per_seed)} for r, per_seed in singles.items()}
@@ -126,7 +130,20 @@ def test_parts_run_apart_merge_into_one_bench(tmp_path):
     assert a["side_by_side_step_s"] is None and a["marble_step_ratio"] is None
     t = tmp_path / "t.json"  # the timing alone, as `--timing-only` writes it
     assert (
-        cli.main(["bench", "balancers", "--json", str(t), "--timing-only", "--timing-steps", "1", "--heldout-seeds", "1", *TINY])
+        cli.main(
+            [
+                "bench",
+                "balancers",
+                "--json",
+                str(t),
+                "--timing-only",
+                "--timing-steps",
+                "1",
+                "--heldout-seeds",
+                "1",
+                *TINY,
+            ]
+        )
         == 0
     )
     timing = json.loads(t.read_text())

@@ -9,7 +9,13 @@ from flowrl.bench.candidates import fidelity
 def test_a_perfect_preview_keeps_everything():
     full = [torch.tensor([0.1, 0.9, 0.4, 0.6]), torch.tensor([3.0, 1.0, 2.0, 0.0])]
     out = fidelity(full, full, kept=2, selection="best_worst")
-    assert out == {"spearman_median": 1.0, "kendall_median": 1.0, "topk_overlap": 1.0, "bottom_intrusion": 0.0, "capture": 1.0}
+    assert out == {
+        "spearman_median": 1.0,
+        "kendall_median": 1.0,
+        "topk_overlap": 1.0,
+        "bottom_intrusion": 0.0,
+        "capture": 1.0,
+    }
 
 
 def test_capture_by_hand():

@@ -42,11 +42,16 @@ def test_cli_writes_one_entry_per_family_with_its_settings(tmp_path, capsys):
     assert capsys.readouterr().out.endswith(json.dumps(result, indent=2) + "\n")
     assert set(result) == {"settings", "sd3", "wan"}
     assert result["settings"]["families"] == ["sd3", "wan"] and result["settings"]["repeats"] == 2
-    for family, pipeline, size in (("sd3", "StableDiffusion3Pipeline", (64, 64, None)), ("wan", "WanPipeline", (32, 32, 5))):
+    for family, pipeline, size in (
+        ("sd3", "StableDiffusion3Pipeline", (64, 64, None)),
+        ("wan", "WanPipeline", (32, 32, 5)),
+    ):
         entry = result[family]
         assert set(entry) == ENTRY_KEYS
         settings = entry["settings"]
-        assert settings["pipeline"] == pipeline and (settings["height"], settings["width"], settings["num_frames"]) == size
+        assert (
+            settings["pipeline"] == pipeline and (settings["height"], settings["width"], settings["num_frames"]) == size
+        )
         assert settings["num_steps"] == 2 and settings["batch_size"] == 2 and settings["source_image"] is None
         assert settings["cfg_branches"] == 2 and settings["guidance_arg"] == "guidance_scale"
         check_ratios(entry, repeats=2)

@@ -1,18 +1,25 @@
-"""`flowrl bench trainers` (flowrl/bench/trainers.py): the race's JSON shape and consistency, its plot, its medians rule, its CLI
-and its one-line errors, on the shipped toy model at tiny sizes (2 train steps, 1 held-out seed, 2 ODE steps)."""
+"""`flowrl bench trainers` (flowrl/bench/trainers.py): the race's JSON shape and consistency, its plot, its medians
+rule, its CLI and its one-line errors, on the shipped toy model at tiny sizes (2 train steps, 1 held-out seed, 2 ODE
+steps)."""
 
 import json
 
 import pytest
 
 from flowrl import cli
-from flowrl.bench import speed
+from flowrl.bench import report as report_bench
 from flowrl.bench import trainers as race
-from flowrl.bench.trainers import first_reaching, median_if_most, race_result
+from flowrl.bench.trainers import first_reaching, race_result
+from flowrl.plan.projection import median_if_most
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
-TINY = ["num_steps=2", "data.num_prompts_per_step=2", "data.group_size=2", "sampler.num_steps=3"]  # grpo's SDE window: 3
+TINY = [
+    "num_steps=2",
+    "data.num_prompts_per_step=2",
+    "data.group_size=2",
+    "sampler.num_steps=3",
+]  # grpo's SDE window: 3
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ENTRY_KEYS = {
     "config",
@@ -40,7 +47,13 @@ def test_race_of_grpo_alone_writes_consistent_json_and_a_png(tmp_path):
         recipes=["grpo"], seeds=[0], eval_every_n_steps=1, overrides=TINY, out_json=out, num_seeds=1, eval_num_steps=2
     )
     assert json.loads(out.read_text()) == result
-    assert {"target_accuracy", "recipes", "steps_to_grpo_final", "seconds_to_grpo_final", "seconds_ratio_to_grpo"} <= set(result)
+    assert {
+        "target_accuracy",
+        "recipes",
+        "steps_to_grpo_final",
+        "seconds_to_grpo_final",
+        "seconds_ratio_to_grpo",
+    } <= set(result)
     assert result["overrides"] == TINY and {"cpu_count", "torch_threads", "torch_version"} <= set(result["host"])
     entry = result["recipes"]["grpo"]
     assert set(entry) == ENTRY_KEYS and entry["config"] == "configs/toy/grpo.yaml" and entry["seeds"] == [0]
@@ -59,11 +72,11 @@ def test_race_of_grpo_alone_writes_consistent_json_and_a_png(tmp_path):
     assert sum(shares.values()) == pytest.approx(1.0, abs=2e-3) and shares["rollout"] > 0 and shares["optimise"] > 0
     assert all(0 <= p[2] <= 1 and 0 <= p[3] <= 1 for p in curve)
     assert result["target_accuracy"] == curve[-1][2]  # the median of one seed's final accuracy
-    # the work meter's counts at each point (cumulative), priced at SD3.5-M 512 px (flowrl.bench.projection)
+    # the work meter's counts at each point (cumulative), priced at SD3.5-M 512 px (flowrl.plan.projection)
     (work,) = entry["work_curves"]
     assert len(work) == len(curve) and work[0] == {} and work[1]["work/rollout/forward/policy"] > 0
     assert work[2]["work/rollout/forward/policy"] == 2 * work[1]["work/rollout/forward/policy"]
-    from flowrl.bench import projection
+    from flowrl.plan import projection
 
     projected = result["projection"]["recipes"]["grpo"]["curves"]["h100"][0]
     assert projected[0] == 0.0 and projected[2] == round(projection.projected_seconds(work[2], "h100"), 3)
@@ -83,13 +96,16 @@ def test_cli_runs_the_race_with_overrides_and_keeps_the_other_benches(tmp_path, 
     argv = ["bench", "trainers", "--json", str(out), "--recipes", "grpo", "--seeds", "0", "--heldout-seeds", "1"]
     assert cli.main([*argv, *TINY, "num_steps=1", "eval.num_steps=2"]) == 0
     result = json.loads(out.read_text())
-    assert result["recipes"]["grpo"]["seeds"] == [0] and [p[0] for p in result["recipes"]["grpo"]["curves"][0]] == [0, 1]
+    assert result["recipes"]["grpo"]["seeds"] == [0] and [p[0] for p in result["recipes"]["grpo"]["curves"][0]] == [
+        0,
+        1,
+    ]
     assert result["overrides"][-2:] == ["num_steps=1", "eval.num_steps=2"] and result["settings"]["heldout_seeds"] == 1
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
     assert "grpo" in capsys.readouterr().out
 
     calls = []
-    monkeypatch.setattr(speed, "bench_report", lambda repeats: calls.append(repeats) or {"ok": True})
+    monkeypatch.setattr(report_bench, "bench_report", lambda repeats: calls.append(repeats) or {"ok": True})
     assert cli.main(["bench", "report", "--json", str(tmp_path / "report.json"), "--repeats", "2"]) == 0
     assert calls == [2] and json.loads((tmp_path / "report.json").read_text()) == {"ok": True}
 
@@ -181,10 +197,24 @@ def test_medians_are_over_the_seeds_that_reached_and_null_below_half():
 def test_race_result_target_medians_and_ratio_from_fabricated_runs():
     def run(*points):  # points: (step, seconds, exact)
         curve = [[s, t, a, a, 0.9 - s / 100] for s, t, a in points]
-        return {"curve": curve, "final_judge_accuracy": 0.0, "final_artifact": 0.5, "base_artifact": 0.4, "train_seconds": 9}
+        return {
+            "curve": curve,
+            "final_judge_accuracy": 0.0,
+            "final_artifact": 0.5,
+            "base_artifact": 0.4,
+            "train_seconds": 9,
+        }
 
-    grpo = {0: run((0, 0.0, 0.1), (10, 2.0, 0.5)), 1: run((0, 0.0, 0.1), (10, 4.0, 0.3)), 2: run((0, 0.0, 0.1), (10, 6.0, 0.6))}
-    nft = {0: run((0, 0.0, 0.1), (5, 1.0, 0.5)), 1: run((0, 0.0, 0.1), (5, 1.0, 0.2)), 2: run((0, 0.0, 0.1), (5, 0.5, 0.4))}
+    grpo = {
+        0: run((0, 0.0, 0.1), (10, 2.0, 0.5)),
+        1: run((0, 0.0, 0.1), (10, 4.0, 0.3)),
+        2: run((0, 0.0, 0.1), (10, 6.0, 0.6)),
+    }
+    nft = {
+        0: run((0, 0.0, 0.1), (5, 1.0, 0.5)),
+        1: run((0, 0.0, 0.1), (5, 1.0, 0.2)),
+        2: run((0, 0.0, 0.1), (5, 0.5, 0.4)),
+    }
     settings = {"seeds": [0, 1, 2]}
     partial = race_result({"grpo": dict(list(grpo.items())[:2])}, [], settings, {})
     assert partial["target_accuracy"] is None and partial["recipes"]["grpo"]["steps_to_target"] == [None, None]
@@ -225,12 +255,18 @@ def test_merged_per_seed_races_equal_the_race_of_all_seeds(tmp_path):
             1: run((0, 0.0, 0.1), (10, 4.0, 0.3)),
             2: run((0, 0.0, 0.1), (10, 6.0, 0.6)),
         },
-        "ram": {0: run((0, 0.0, 0.1), (2, 1.0, 0.5)), 1: run((0, 0.0, 0.1), (2, 1.0, 0.6)), 2: run((0, 0.0, 0.1), (2, 0.5, 0.2))},
+        "ram": {
+            0: run((0, 0.0, 0.1), (2, 1.0, 0.5)),
+            1: run((0, 0.0, 0.1), (2, 1.0, 0.6)),
+            2: run((0, 0.0, 0.1), (2, 0.5, 0.2)),
+        },
     }
     settings = {"heldout_seeds": 16, "eval_num_steps": None, "eval_every_n_steps": 2, "clock": "cpu"}
     paths = []
     for seed in (2, 0, 1):  # any order of files
-        part = race_result({n: {seed: by_seed[seed]} for n, by_seed in runs.items()}, ["x=1"], {**settings, "seeds": [seed]}, {})
+        part = race_result(
+            {n: {seed: by_seed[seed]} for n, by_seed in runs.items()}, ["x=1"], {**settings, "seeds": [seed]}, {}
+        )
         paths.append(tmp_path / f"s{seed}.json")
         paths[-1].write_text(json.dumps(part))
     merged = race.merge_results(paths, tmp_path / "race.json")

@@ -1,5 +1,5 @@
-"""The cost model (flowrl.bench.cost) against its references: the counted points of docs/cost.md, the independent hand count
-for every family, the LoRA backward factors, a hand-priced step, and the published iteration-time ratios."""
+"""The cost model (flowrl.plan.cost) against its references: the counted points of docs/cost.md, the independent hand
+count for every family, the LoRA backward factors, a hand-priced step, and the published iteration-time ratios."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flowrl.bench import cost
-from flowrl.models import arch_configs, archs
+from flowrl.plan import arch_configs, archs, cost
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -104,7 +103,8 @@ def test_hardware_and_preview_tables():
 
 
 def hand_size() -> cost.RealSize:
-    forward = cost.ForwardCost(tflops=10.0, linear_tflops=8.0, attention_tflops=2.0, params_b=2.0, image_tokens=1024, text_tokens=205)  # fmt: skip
+    forward = cost.ForwardCost(tflops=10.0, linear_tflops=8.0, attention_tflops=2.0, params_b=2.0, image_tokens=1024,
+                               text_tokens=205)  # fmt: skip
     return cost.RealSize("sd3.5-medium", 512, 512, None, 205, forward, vae_decode_tflops=2.0, text_tflops=1.0,
                          reward_tflops={"pickscore": 0.5})  # fmt: skip
 
@@ -147,8 +147,8 @@ def test_price_equals_a_hand_computation():
 
 
 @pytest.mark.parametrize(
-    "key", ["work/train/teleport/x", "work/warmup/forward/policy", "work/rollout/forward/tpu", "work/train/backward/half",
-            "work/rollout/decode"],
+    "key", ["work/train/teleport/x", "work/warmup/forward/policy", "work/rollout/forward/tpu",
+            "work/train/backward/half", "work/rollout/decode"],
 )  # fmt: skip
 def test_unknown_work_key_is_a_one_line_error(key):
     with pytest.raises(ValueError) as e:
@@ -293,5 +293,7 @@ def test_text_encoder_counts_match_meta_builds():
     encoders = {e.name: e for a in archs.ARCHS.values() for e in a.text_encoders}
     for name, module in built.items():
         every, per_token = counts(module)
-        assert close(encoders[name].params_b, every, 1e-3) and close(encoders[name].token_params_b, per_token, 1e-3), name
+        assert close(encoders[name].params_b, every, 1e-3) and close(encoders[name].token_params_b, per_token, 1e-3), (
+            name
+        )
     assert close(encoders["LTX-2 text connectors"].params_b, archs.params_b(connectors), 1e-3)

@@ -1,6 +1,6 @@
-"""flowrl.bench.activations and flowrl.bench.memory: activation counts against hand counts, the estimate of one training micro-batch against its
-measured CPU peak (toy model and tiny SD3 transformer, LoRA and full fine-tuning, with and without gradient
-checkpointing), the sharding arithmetic and the suggestions by hand."""
+"""flowrl.plan.activations and flowrl.plan.memory: activation counts against hand counts, the estimate of one
+training micro-batch against its measured CPU peak (toy model and tiny SD3 transformer, LoRA and full fine-tuning, with
+and without gradient checkpointing), the sharding arithmetic and the suggestions by hand."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from flowrl.bench import activations as A
-from flowrl.bench import memory as M
+from flowrl.plan import activations as A
+from flowrl.plan import memory as M
 
 MIB = 2**20
 TOLERANCE = 0.25  # the estimate of a micro-batch is within 25% of its measured peak
@@ -102,7 +102,9 @@ def _toy(rows):
 
     def meta_inputs(r):
         with torch.device("meta"):
-            return dict(sample=torch.empty(r, 12, 16, 16), timestep=torch.empty(r), encoder_hidden_states=torch.empty(r, 5, 64))
+            return dict(
+                sample=torch.empty(r, 12, 16, 16), timestep=torch.empty(r), encoder_hidden_states=torch.empty(r, 5, 64)
+            )
 
     return model, twin, cond, meta_inputs, {"text_encoder": model.text_encoder}
 
@@ -143,9 +145,13 @@ def sd3_folder(tiny_pipeline):
 
 
 @pytest.mark.parametrize(
-    ("family", "lora", "ckpt"), CASES, ids=[f"{f}-{'lora' if lo else 'full'}{'-ckpt' if c else ''}" for f, lo, c in CASES]
+    ("family", "lora", "ckpt"),
+    CASES,
+    ids=[f"{f}-{'lora' if lo else 'full'}{'-ckpt' if c else ''}" for f, lo, c in CASES],
 )
-def test_estimate_of_one_micro_batch_is_within_25_percent_of_its_measured_peak(family, lora, ckpt, sd3_folder, one_torch_thread):
+def test_estimate_of_one_micro_batch_is_within_25_percent_of_its_measured_peak(
+    family, lora, ckpt, sd3_folder, one_torch_thread
+):
     """One micro-batch as a recipe runs it (velocity with grad, a loss, OptimizerStep's backward and AdamW step) in the
     steady state (AdamW's moments exist), measured on the CPU; estimated from parameter counts and the activations
     counted on a meta twin of the transformer."""
@@ -234,7 +240,9 @@ def _plan(**changes) -> M.MemoryPlan:
 
 def test_lora_sharding_by_hand():
     # LoRA, 2 Gi bf16 base weights = 4 GiB; 1/8 Gi trained: fp32 param 0.5, grad 0.5, AdamW 1.0, EMA 0.5 GiB
-    lora = dict(weights=4.0, trainable=0.5, gradients=0.5, optimizer=1.0, ema=0.5, activations=8.0, transient=0.5, frozen=6.0)
+    lora = dict(
+        weights=4.0, trainable=0.5, gradients=0.5, optimizer=1.0, ema=0.5, activations=8.0, transient=0.5, frozen=6.0
+    )
     assert _parts(_plan(sharding="none")) == {**lora, "overhead": 3.0, "total": 24.0}
     # FSDP2 over 8: weights, trainable, gradients, optimizer and EMA / 8; activations, frozen whole
     fsdp = dict(weights=0.5, trainable=0.5 / 8, gradients=0.5 / 8, optimizer=1.0 / 8, ema=0.5 / 8)
@@ -260,8 +268,14 @@ def test_full_fine_tuning_by_hand():
     )
     assert (parts["activations"], parts["transient"], parts["total"]) == (4.0, 0.0, 8 + 8 + 8 + 16 + 4 + 6 + 3)
     sharded = _parts(_plan(use_lora=False, reference_copy=True, use_ema=False, checkpointing=True, sharding="fsdp"))
-    assert (sharded["weights"], sharded["trainable"], sharded["gradients"], sharded["optimizer"]) == (8.0, 1.0, 1.0, 2.0)
-    # DeepSpeed's fp16 engine: fp16 parameters whole, the fp32 partition of the gradients beside the fp16 one, fp32 masters
+    assert (sharded["weights"], sharded["trainable"], sharded["gradients"], sharded["optimizer"]) == (
+        8.0,
+        1.0,
+        1.0,
+        2.0,
+    )
+    # DeepSpeed's fp16 engine: fp16 parameters whole, the fp32 partition of the gradients beside the fp16 one, fp32
+    # masters
     fp16 = _parts(_plan(use_lora=False, use_ema=False, sharding="zero2", mixed_precision="fp16"))
     assert (fp16["trainable"], fp16["gradients"], fp16["optimizer"]) == (4.0, 2 * 6 / 8, 2 * 12 / 8)
 

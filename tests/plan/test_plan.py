@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from flowrl.bench import cost, plan
 from flowrl.cli import main
+from flowrl.plan import cost, plan
 from flowrl.trainers import build_trainer, load_config
 from flowrl.training.loop import metered_step
 
@@ -37,7 +37,15 @@ def test_a_toy_config_plans_with_the_work_its_real_run_counts(tmp_path):
     counted = {k: v for k, v in metered_step(build_trainer(real)).items() if k.startswith("work/")}
     assert result["step"]["work"] == counted
     assert result["priced_as_toy"] and result["family"] == "sd3.5-medium"
-    for key in ("transformer_forward_tflops", "params_b", "step", "step_gpu_seconds", "run_gpu_hours", "peak_memory_gib", "fits"):
+    for key in (
+        "transformer_forward_tflops",
+        "params_b",
+        "step",
+        "step_gpu_seconds",
+        "run_gpu_hours",
+        "peak_memory_gib",
+        "fits",
+    ):
         assert key in result
     size = cost.real_size("sd3.5-medium", 512, 512, None, result["size"]["text_tokens"], ("toy_attributes",))
     whole = cost.price(counted, size, "h100", cost.ETA["research"])["seconds"]
@@ -51,7 +59,7 @@ def test_a_plan_that_does_not_fit_says_so_and_what_would(capsys):
     tight = ["data.num_prompts_per_step=2", "data.group_size=4", "model.use_lora=false", "train.num_minibatches=1"]
     mem = plan.memory_plan(load_config(config, tight), plan.Geometry("sd3.5-large", 512, 512, None, 333), 1, "none")
     assert not mem.use_lora and mem.rows == 8
-    from flowrl.bench import memory
+    from flowrl.plan import memory
 
     assert not memory.fits(memory.estimate_peak(mem)["total"], 80)
     assert "does not fit 80 GiB" in memory.suggestion(mem, 80)
@@ -74,9 +82,9 @@ def test_every_real_config_states_its_plan_in_its_header():
     configs = headers.real_configs()
     assert len(configs) >= 20
     line = re.compile(
-        r"^# Plan: (\d+)x (H100|H200|B200) \((DDP|FSDP2|ZeRO-2)\): \d+ s/step at eta 0\.11 \(\d+ s at 0\.4\), \d+ GPU-hours "
-        r"for \d+ steps; peak \d+ GiB per GPU, (fits|does NOT fit; see flowrl plan for what would) \(flowrl plan (\S+) --gpu "
-        r"(h100|h200|b200) --num-gpus (\d+)( --sharding (fsdp|zero2))?\)$"
+        r"^# Plan: (\d+)x (H100|H200|B200) \((DDP|FSDP2|ZeRO-2)\): \d+ s/step at eta 0\.11 \(\d+ s at 0\.4\), "
+        r"\d+ GPU-hours for \d+ steps; peak \d+ GiB per GPU, (fits|does NOT fit; see flowrl plan for what would) "
+        r"\(flowrl plan (\S+) --gpu (h100|h200|b200) --num-gpus (\d+)( --sharding (fsdp|zero2))?\)$"
     )
     for path in configs:
         found = [m for m in map(line.match, path.read_text().splitlines()) if m]

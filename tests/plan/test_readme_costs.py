@@ -1,4 +1,4 @@
-"""rewards/README.md's cost column against flowrl.bench.cost: a number is reward_tflops(name) x 1000 rounded as written,
+"""rewards/README.md's cost column against flowrl.plan.cost: a number is reward_tflops(name) x 1000 rounded as written,
 "~0" is a reward with no GPU work, "the server's" a remote one, and any other text a reward the cost table does not
 price on its own (so a reward that gains a price must show it)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.bench import cost
+from flowrl.plan import cost
 from flowrl.registry import REWARDS
 
 README = Path(__file__).resolve().parents[2] / "rewards" / "README.md"
@@ -51,7 +51,9 @@ def test_the_cost_cell_agrees_with_reward_tflops(name):
     if match:
         written = match.group(1).replace(",", "")
         decimals = len(written.partition(".")[2])
-        assert priced is not None and priced.backbone is not None, f"{name}: a number for a reward cost.py does not price"
+        assert priced is not None and priced.backbone is not None, (
+            f"{name}: a number for a reward cost.py does not price"
+        )
         assert float(written) == round(cost.reward_tflops(name) * 1000, decimals), (
             f"{name}: README says {written} GFLOP, reward_tflops gives {cost.reward_tflops(name) * 1000:.3f}"
         )
@@ -62,7 +64,9 @@ def test_the_cost_cell_agrees_with_reward_tflops(name):
         assert priced is not None and priced.backbone is None and cost.reward_tflops(name) == 0.0
         assert _remote(name), f"{name}: 'the server's' for a reward that is not configured by a server address"
     else:  # a cost that depends on the configuration (a wrapped reward, a backend)
-        assert priced is None, f"{name}: cost.py prices it ({cost.reward_tflops(name) * 1000:.1f} GFLOP); write the number"
+        assert priced is None, (
+            f"{name}: cost.py prices it ({cost.reward_tflops(name) * 1000:.1f} GFLOP); write the number"
+        )
 
 
 def _remote(name: str) -> bool:

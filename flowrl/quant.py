@@ -98,8 +98,9 @@ def nvfp4_scales(
 def fake_quant_nvfp4(
     x: torch.Tensor, axis: int = -1, block: int = 16, two_level: bool = True, scale_floor: float = 2**-6, amax=None
 ) -> torch.Tensor:
-    """dequant(quant(x)) in NVFP4 (docs/math.md#low-precision-previews): blocks of `block` elements along `axis`, E4M3 block scales
-    clipped at `scale_floor`, one FP32 tensor scale amax / (448·6) (`amax`: the tensor's own max |x| when None)."""
+    """dequant(quant(x)) in NVFP4 (docs/math.md#low-precision-previews): blocks of `block` elements along `axis`, E4M3
+    block scales clipped at `scale_floor`, one FP32 tensor scale amax / (448·6) (`amax`: the tensor's own max |x| when
+    None)."""
     codes, encoded, scale, undo = nvfp4_scales(x, axis, block, two_level, scale_floor, amax)
     return _unblock(codes * (scale * encoded), undo)
 
@@ -192,7 +193,9 @@ class PreviewSpec:
         if len(precisions) > 1:
             raise ValueError(f"sampler.preview_backend combines {' and '.join(precisions)}; keep at most one precision")
         if "cached" in self.backends and self.cache.get("type") not in CACHES:
-            raise ValueError(f"sampler.preview_cache.type={self.cache.get('type')!r} must be one of {', '.join(CACHES)}")
+            raise ValueError(
+                f"sampler.preview_cache.type={self.cache.get('type')!r} must be one of {', '.join(CACHES)}"
+            )
 
     @property
     def precision(self) -> str | None:
@@ -209,7 +212,9 @@ def quantizable_linears(module: torch.nn.Module, skip=DEFAULT_SKIP, min_features
     return [
         name
         for name, m in module.named_modules()
-        if type(m) is torch.nn.Linear and not any(s in name for s in skip) and max(m.in_features, m.out_features) > min_features
+        if type(m) is torch.nn.Linear
+        and not any(s in name for s in skip)
+        and max(m.in_features, m.out_features) > min_features
     ]
 
 
@@ -272,10 +277,14 @@ def check_precision(precision: str | None, device: str | torch.device, requested
         where = "the CPU" if device.type == "cpu" else device.type
         if capability is not None:
             where = "an sm_{}{} GPU".format(*capability)
-        other = "fp8" if precision == "nvfp4" and capability is not None and capability >= KERNELS["fp8"] else f"fake_{precision}"
+        other = (
+            "fp8"
+            if precision == "nvfp4" and capability is not None and capability >= KERNELS["fp8"]
+            else f"fake_{precision}"
+        )
         raise ValueError(
-            f"sampler.preview_backend={precision!r} needs torchao kernels on an sm_{need[0]}{need[1]}+ GPU; this run has "
-            f"{where}: use auto ({resolve_precision('auto', device)} here) or {other}"
+            f"sampler.preview_backend={precision!r} needs torchao kernels on an sm_{need[0]}{need[1]}+ GPU; this run "
+            f"has {where}: use auto ({resolve_precision('auto', device)} here) or {other}"
         )
     if not torchao_installed():
         raise ValueError(
@@ -348,21 +357,33 @@ def build_preview(transformer: torch.nn.Module, spec: PreviewSpec, family: str =
     return _build(transformer, spec, family)[0]
 
 
-def _build(transformer: torch.nn.Module, spec: PreviewSpec, family: str) -> tuple[torch.nn.Module, str | None, list[str]]:
+def _build(
+    transformer: torch.nn.Module, spec: PreviewSpec, family: str
+) -> tuple[torch.nn.Module, str | None, list[str]]:
     """(the preview, the precision it runs at on this device, the names of its quantized linears)."""
     device = next(transformer.parameters()).device
     precision = resolve_precision(spec.precision, device)
     check_precision(precision, device, spec.precision)
     if precision == "int8" and device.type != "cpu":
-        raise ValueError(f"sampler.preview_backend='int8' is torch's dynamic quantization for the CPU; this run is on {device}")
+        raise ValueError(
+            f"sampler.preview_backend='int8' is torch's dynamic quantization for the CPU; this run is on {device}"
+        )
     if "cached" in spec.backends and not hasattr(transformer, "enable_cache"):
         _enable_cache(transformer, spec.cache, family)  # raises the one-line error before copying anything
     if precision in (None, "bf16") and "cached" not in spec.backends:
-        return transformer, precision, []  # few_step / bf16 change how the sampler runs the policy, not its weights: no copy
+        return (
+            transformer,
+            precision,
+            [],
+        )  # few_step / bf16 change how the sampler runs the policy, not its weights: no copy
     preview = merged_copy(transformer)
     names = quantizable_linears(preview, spec.skip, spec.min_features) if precision not in (None, "bf16") else []
     if precision in KERNELS:  # torchao's fp8 and nvfp4 linears need both sides in multiples of 16
-        names = [n for n in names if preview.get_submodule(n).in_features % 16 == 0 == preview.get_submodule(n).out_features % 16]
+        names = [
+            n
+            for n in names
+            if preview.get_submodule(n).in_features % 16 == 0 == preview.get_submodule(n).out_features % 16
+        ]
     if precision in FAKE_QUANT:
         for name in names:
             _replace(preview, name, FakeQuantLinear(preview.get_submodule(name), precision))
@@ -373,7 +394,9 @@ def _build(transformer: torch.nn.Module, spec: PreviewSpec, family: str) -> tupl
     if "cached" in spec.backends:
         _enable_cache(preview, spec.cache, family)
     # the work meter (flowrl.work) prices the preview's forwards at its backend
-    preview.flowrl_backend = "+".join([precision] * (precision not in (None, "bf16")) + ["cached"] * ("cached" in spec.backends))
+    preview.flowrl_backend = "+".join(
+        [precision] * (precision not in (None, "bf16")) + ["cached"] * ("cached" in spec.backends)
+    )
     work.meter_transformer(preview)
     return preview, precision, names
 

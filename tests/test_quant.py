@@ -20,7 +20,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # every E2M1 magnitude (
 
 
 def e4m3_values() -> list[float]:
-    """Every finite non-negative e4m3fn value from its bit fields (exponent bias 7, 3 mantissa bits; S.1111.111 is NaN)."""
+    """Every finite non-negative e4m3fn value from its bit fields (exponent bias 7, 3 mantissa bits; S.1111.111 is
+    NaN)."""
     out = []
     for e in range(16):
         for m in range(8):
@@ -85,7 +86,13 @@ def test_e2m1_matches_brute_force_on_a_fine_grid():
 
 
 def test_e4m3_rounding_by_hand():
-    assert round_e4m3(torch.tensor([4.48, 448.0, 500.0, 2.0**-9, 1.5 * 2.0**-9])).tolist() == [4.5, 448.0, 448.0, 2**-9, 2**-8]
+    assert round_e4m3(torch.tensor([4.48, 448.0, 500.0, 2.0**-9, 1.5 * 2.0**-9])).tolist() == [
+        4.5,
+        448.0,
+        448.0,
+        2**-9,
+        2**-8,
+    ]
     # the NVFP4 block-scale encode clips before rounding: a tiny scale becomes the 2^-6 floor
     codes, encoded, scale, _ = nvfp4_scales(torch.tensor([1e-9] + [0.0] * 15), two_level=False)
     assert encoded.flatten().tolist() == [2.0**-6]
@@ -93,7 +100,9 @@ def test_e4m3_rounding_by_hand():
 
 def test_e4m3_matches_torch_float8_cast_and_brute_force():
     g = torch.Generator().manual_seed(0)
-    x = torch.cat([torch.randn(4000, generator=g) * 10.0 ** torch.randint(-4, 3, (4000,), generator=g), torch.tensor(E4M3)])
+    x = torch.cat(
+        [torch.randn(4000, generator=g) * 10.0 ** torch.randint(-4, 3, (4000,), generator=g), torch.tensor(E4M3)]
+    )
     x = x.clamp(-448, 448)
     torch_cast = x.to(torch.float8_e4m3fn).float()
     assert torch.equal(round_e4m3(x), torch_cast)

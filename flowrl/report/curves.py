@@ -30,7 +30,9 @@ def curves_png(runs: list[RunRecord]) -> bytes | None:
     for run in runs:
         for row in run.metrics:
             for key in row:
-                if (key.startswith("reward/") and key.endswith("/mean") or key in ("train/kl", "train/loss")) and key not in keys:
+                if (
+                    key.startswith("reward/") and key.endswith("/mean") or key in ("train/kl", "train/loss")
+                ) and key not in keys:
                     keys.append(key)
     if not keys:
         return None
@@ -110,7 +112,9 @@ def pareto_png(runs: list[RunRecord], max_rewards: int = 5) -> bytes | None:
     for ax, (a, b) in zip(axes.flat, pairs):
         labelled = {run.name: (final.overall(a), final.overall(b)) for run, final in zip(runs, finals)}
         origin = (
-            (base.overall(a), base.overall(b)) if base is not None and None not in (base.overall(a), base.overall(b)) else None
+            (base.overall(a), base.overall(b))
+            if base is not None and None not in (base.overall(a), base.overall(b))
+            else None
         )
         draw_pareto(ax, labelled, a, b, origin)
     for ax in list(axes.flat)[len(pairs) :]:

@@ -87,7 +87,12 @@ def caption_lines(sample: dict[str, Any] | None, rewards: list[str]) -> list[str
 
 
 def render_grid(
-    blocks: list[EvalRecord], prompts: list[str], seeds: list[int], rewards: list[str], thumb: int = 128, font_size: int = 12
+    blocks: list[EvalRecord],
+    prompts: list[str],
+    seeds: list[int],
+    rewards: list[str],
+    thumb: int = 128,
+    font_size: int = 12,
 ) -> tuple[Image.Image, dict[str, Any]]:
     """Blocks (checkpoints) side by side; in each, rows = prompts and columns = seeds. Runs of edit and image-to-video
     models (scores.json "sources") show each prompt's source image in a column before the blocks.

@@ -70,9 +70,13 @@ def paired_bootstrap(
     """
     x = np.asarray(effects, dtype=np.float64)
     if x.ndim != 1 or x.size == 0 or not np.isfinite(x).all():
-        raise ValueError(f"paired_bootstrap needs a non-empty 1-D list of finite numbers; got {x.size} values, shape {x.shape}")
+        raise ValueError(
+            f"paired_bootstrap needs a non-empty 1-D list of finite numbers; got {x.size} values, shape {x.shape}"
+        )
     if not 0 < confidence < 1 or resamples < 1:
-        raise ValueError(f"paired_bootstrap: confidence={confidence} must lie in (0, 1) and resamples={resamples} be >= 1")
+        raise ValueError(
+            f"paired_bootstrap: confidence={confidence} must lie in (0, 1) and resamples={resamples} be >= 1"
+        )
     rng = np.random.default_rng(seed)
     means = np.empty(resamples)
     rows = max(1, _CHUNK // x.size)
@@ -136,7 +140,8 @@ def check_pairs(pairs: dict[str, str] | None, runs: list[RunRecord]) -> dict[str
         return {}
     if not isinstance(pairs, dict):
         raise ValueError(
-            f"hacking_pairs={pairs!r} must be a dict of gold reward -> training reward, e.g. {{'toy_exact': 'toy_attributes'}}"
+            f"hacking_pairs={pairs!r} must be a dict of gold reward -> training reward, "
+            "e.g. {'toy_exact': 'toy_attributes'}"
         )
     train_all: list[str] = []
     gold_all: list[str] = []
@@ -228,7 +233,15 @@ def paired_gains(reference: EvalRecord, record: EvalRecord, train: str, gold: st
     scored in both evals, the gap (train gain - gold gain) with its 95% lower bound, and the samples with the largest
     per-sample gaps ("moved")."""
     pairs = paired_scores(reference, record, [train, gold])
-    empty = {"samples": 0, "train_gain": None, "gold_gain": None, "gap": None, "bound": None, "moved": [], "flagged": False}
+    empty = {
+        "samples": 0,
+        "train_gain": None,
+        "gold_gain": None,
+        "gap": None,
+        "bound": None,
+        "moved": [],
+        "flagged": False,
+    }
     for _, before, after in pairs:
         outside = next(((n, v) for n, v in zip((train, gold, train, gold), before + after) if not 0 <= v <= 1), None)
         if outside is not None:
@@ -332,7 +345,12 @@ def hacking_png(run: RunRecord, rows: list[dict[str, Any]]) -> bytes | None:
     flagged = {(row["step"], name) for row in rows for name in row["flagged"]}
     for ax, name in zip(axes.flat, names):
         points = [(r.step, r.overall(name)) for r in run.evals if r.overall(name) is not None]
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color="tab:blue" if name in train else "tab:green")
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            marker="o",
+            color="tab:blue" if name in train else "tab:green",
+        )
         bad = [p for p in points if (p[0], name) in flagged]
         if bad:
             ax.scatter([p[0] for p in bad], [p[1] for p in bad], color="red", zorder=3, s=60, label="flagged")
@@ -397,7 +415,8 @@ def hacking_section(
     img = f'<img class="plot" alt="hacking panel" src="{data_uri(plot, "image/png")}">' if plot else ""
     return (
         f"<p>Margin: {margin:g} (absolute). Values are eval means with the change from {esc(run.reference.title)} in "
-        f'brackets.</p>{_rules(pairs)}{verdict}<table class="hacking"><tr><th>eval</th>{head}</tr>{"".join(body)}</table>'
+        f'brackets.</p>{_rules(pairs)}{verdict}<table class="hacking">'
+        f"<tr><th>eval</th>{head}</tr>{''.join(body)}</table>"
         f"{_falls_table(rows)}{_pairs_table(run, rows, pairs)}{_evidence(run, rows)}{img}"
     )
 
@@ -422,7 +441,8 @@ def _rules(pairs: dict[str, str]) -> str:
     return (
         test + fall + f" Flagged (gap): a paired gold reward ({named}) when, on the same samples (the prompt &times; "
         "seed pairs both rewards scored in both evals), the training reward rose and the per-sample gap, training "
-        "change &minus; gold change, passes the test (lower bound of the mean gap &gt; margin), both rewards in [0, 1].</p>"
+        "change &minus; gold change, passes the test (lower bound of the mean gap &gt; margin), both rewards in "
+        "[0, 1].</p>"
     )
 
 
@@ -436,7 +456,8 @@ def _falls_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         for name, test in row["falls"].items():
             body.append(
-                f'<tr data-step="{esc(row["name"])}" data-test="{esc(name)}"><td>{esc(row["name"])}</td><td>{esc(name)}</td>'
+                f'<tr data-step="{esc(row["name"])}" data-test="{esc(name)}">'
+                f"<td>{esc(row['name'])}</td><td>{esc(name)}</td>"
                 f'<td class="num">{test["samples"]} {test["unit"]}</td><td class="num">{fmt_delta(test["fall"])}</td>'
                 f'<td class="num">{fmt_delta(test["bound"])}</td><td>{verdict_cell(test)}</td></tr>'
             )
@@ -460,11 +481,13 @@ def _pairs_table(run: RunRecord, rows: list[dict[str, Any]], pairs: dict[str, st
                 f'<td class="num">{fmt_delta(pair["gold_gain"])}</td><td class="num{" flag" if flag else ""}" '
                 f'data-flag="{int(flag)}" data-run="{esc(run.name)}" data-reward="{esc(gold)}" '
                 f'data-step="{esc(row["name"])}" data-kind="hacking-gap">{gap}</td>'
-                f'<td class="num">{fmt_delta(pair["bound"])}</td><td>{"" if pair["note"] else verdict_cell(pair)}</td></tr>'
+                f'<td class="num">{fmt_delta(pair["bound"])}</td>'
+                f"<td>{'' if pair['note'] else verdict_cell(pair)}</td></tr>"
             )
     return (
         '<table class="hacking-pairs"><tr><th>eval</th><th>training vs gold</th><th>samples</th><th>training gain</th>'
-        f"<th>gold gain</th><th>gap (training &minus; gold)</th><th>{CONFIDENCE:.0%} lower bound</th><th>verdict</th></tr>"
+        "<th>gold gain</th><th>gap (training &minus; gold)</th>"
+        f"<th>{CONFIDENCE:.0%} lower bound</th><th>verdict</th></tr>"
         f"{''.join(body)}</table>"
     )
 
@@ -482,7 +505,10 @@ def _evidence(run: RunRecord, rows: list[dict[str, Any]]) -> str:
                 parts.append(_evidence_table(run, run.reference, record, name, test, names))
     if not parts:
         return ""
-    return f"<h4>Samples that moved most (flagged tests, and tests whose mean is above half the margin)</h4>{''.join(parts)}"
+    return (
+        "<h4>Samples that moved most (flagged tests, and tests whose mean is above half the margin)</h4>"
+        f"{''.join(parts)}"
+    )
 
 
 def _evidence_table(
@@ -496,11 +522,14 @@ def _evidence_table(
     count = len(test["moved"])
     which = f"The {unit[:-1]}" if count == 1 else f"The {count} {unit}"
     lead = (
-        f"<p><b>{esc(what)}</b> at {esc(record.title)}: mean {effect} {fmt_delta(test[effect])}, {CONFIDENCE:.0%} lower "
-        f"bound {fmt_delta(test['bound'])} over {test['samples']} {unit}, {status}. {which} with the largest {effect}:</p>"
+        f"<p><b>{esc(what)}</b> at {esc(record.title)}: mean {effect} {fmt_delta(test[effect])}, "
+        f"{CONFIDENCE:.0%} lower bound {fmt_delta(test['bound'])} over {test['samples']} {unit}, {status}. "
+        f"{which} with the largest {effect}:</p>"
     )
     images = name != DIVERSITY
-    head = "<th>prompt</th>" + (f"<th>seed</th><th>{esc(reference.title)}</th><th>{esc(record.title)}</th>" if images else "")
+    head = "<th>prompt</th>" + (
+        f"<th>seed</th><th>{esc(reference.title)}</th><th>{esc(record.title)}</th>" if images else ""
+    )
     head += "".join(f"<th>{esc(n)}</th>" for n in names) + f"<th>{effect}</th>"
     body = []
     for moved in test["moved"]:
@@ -508,11 +537,13 @@ def _evidence_table(
         if images:
             cells += f'<td class="num">{esc(moved["seed"])}</td>'
             cells += "".join(f"<td>{_image(r, moved['prompt'], moved['seed'])}</td>" for r in (reference, record))
-        cells += "".join(f'<td class="num">{fmt(moved["before"][n])} &rarr; {fmt(moved["after"][n])}</td>' for n in names)
+        cells += "".join(
+            f'<td class="num">{fmt(moved["before"][n])} &rarr; {fmt(moved["after"][n])}</td>' for n in names
+        )
         body.append(f'<tr>{cells}<td class="num">{fmt_delta(moved["effect"])}</td></tr>')
     return (
-        f'{lead}<table class="hacking-evidence" data-run="{esc(run.name)}" data-test="{esc(name)}" data-rule="{effect}" '
-        f'data-step="{esc(record.name)}"><tr>{head}</tr>{"".join(body)}</table>'
+        f'{lead}<table class="hacking-evidence" data-run="{esc(run.name)}" data-test="{esc(name)}" '
+        f'data-rule="{effect}" data-step="{esc(record.name)}"><tr>{head}</tr>{"".join(body)}</table>'
     )
 
 

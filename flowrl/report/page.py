@@ -58,7 +58,8 @@ def image_tag(path: Path, thumb: int, alt: str | None = None) -> str | None:
                 from PIL import ImageSequence
 
                 frames = [
-                    f.convert("RGB").resize((width, height), Image.Resampling.BICUBIC) for f in ImageSequence.Iterator(image)
+                    f.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
+                    for f in ImageSequence.Iterator(image)
                 ]
                 frames[0].save(
                     buffer,
@@ -71,7 +72,10 @@ def image_tag(path: Path, thumb: int, alt: str | None = None) -> str | None:
             else:
                 image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC).save(buffer, format="PNG")
             raw = buffer.getvalue()
-    return f'<img alt="{esc(path.name if alt is None else alt)}" width="{width}" height="{height}" src="{data_uri(raw, mime)}">'
+    return (
+        f'<img alt="{esc(path.name if alt is None else alt)}" width="{width}" height="{height}" '
+        f'src="{data_uri(raw, mime)}">'
+    )
 
 
 def esc(value: Any) -> str:
@@ -122,7 +126,9 @@ def tables_section(run: RunRecord) -> str:
             cells = []
             for r in run.evals:
                 value = r.overall(name) if prompt is None else r.prompt_value(name, prompt)
-                cells.append(num_td(value, run=run.name, step=r.name, reward=name, prompt="all" if prompt is None else p))
+                cells.append(
+                    num_td(value, run=run.name, step=r.name, reward=name, prompt="all" if prompt is None else p)
+                )
             for r in later:
                 value = r.overall(name) if prompt is None else r.prompt_value(name, prompt)
                 ref = reference.overall(name) if prompt is None else reference.prompt_value(name, prompt)
@@ -251,14 +257,16 @@ def page_html(
         else "<p>No metrics to plot.</p>"
     )
     pareto_html = (
-        f'<h3>Pareto fronts at the final eval</h3><img class="plot" alt="Pareto fronts" src="{data_uri(pareto, "image/png")}">'
+        "<h3>Pareto fronts at the final eval</h3>"
+        f'<img class="plot" alt="Pareto fronts" src="{data_uri(pareto, "image/png")}">'
         if pareto
         else ""
     )
     grid_links = " ".join(f'<a href="{esc(g)}">{esc(g)}</a>' for g in grids)
     env_rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in env.items())
     nav = " | ".join(
-        f'<a href="#{s}">{s}</a>' for s in ("gaps", "overview", "hacking", "curves", "tables", "samples", "config", "environment")
+        f'<a href="#{s}">{s}</a>'
+        for s in ("gaps", "overview", "hacking", "curves", "tables", "samples", "config", "environment")
     )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>flowrl report: {esc(names)}</title>

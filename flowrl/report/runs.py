@@ -155,7 +155,9 @@ def load_run(run_dir: str | os.PathLike) -> RunRecord:
         run.gaps.append("metrics.jsonl is missing: no reward or KL curves")
     checkpoints = path / "checkpoints"
     if checkpoints.is_dir():
-        run.checkpoints = sorted(step for d in checkpoints.iterdir() if d.is_dir() and (step := step_of(d.name)) is not None)
+        run.checkpoints = sorted(
+            step for d in checkpoints.iterdir() if d.is_dir() and (step := step_of(d.name)) is not None
+        )
     else:
         run.gaps.append("checkpoints/ is missing: no checkpoint of this run can be reloaded")
     _load_evals(run)
@@ -184,7 +186,8 @@ def _load_evals(run: RunRecord) -> None:
             for key in ("image", "animation"):
                 if key in sample and not (folder / sample[key]).is_file():
                     run.gaps.append(
-                        f"eval/{folder.name}/{sample[key]} is missing (prompt {sample['prompt_index']}, seed {sample['seed']})"
+                        f"eval/{folder.name}/{sample[key]} is missing "
+                        f"(prompt {sample['prompt_index']}, seed {sample['seed']})"
                     )
         if folder.name != "base" and step not in run.checkpoints and (run.path / "checkpoints").is_dir():
             run.gaps.append(

@@ -25,7 +25,9 @@ def read_scores(path: Path, checkpoint: str) -> dict[str, Any]:
     except UnicodeDecodeError as err:
         raise ValueError(f"{path} is not UTF-8 text (byte {err.start}); {fix}") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); {fix}") from None
+        raise ValueError(
+            f"{path} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); {fix}"
+        ) from None
     problem = scores_problem(scores)
     if problem:
         raise ValueError(f"{path} {problem}; {fix}")

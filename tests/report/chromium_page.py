@@ -116,8 +116,11 @@ class ChromiumPage:
 
 # JS run inside the page: every <img> with its natural size, every number cell with its data attributes.
 PAGE_FACTS = """(() => ({
-  images: Array.from(document.images).map(i => ({w: i.naturalWidth, h: i.naturalHeight, complete: i.complete, alt: i.alt})),
-  cells: Array.from(document.querySelectorAll('td.num[data-reward]')).map(td => ({...td.dataset, text: td.textContent})),
+  images: Array.from(document.images).map(i => ({
+    w: i.naturalWidth, h: i.naturalHeight, complete: i.complete, alt: i.alt,
+  })),
+  cells: Array.from(document.querySelectorAll('td.num[data-reward]'))
+    .map(td => ({...td.dataset, text: td.textContent})),
   gaps: Array.from(document.querySelectorAll('li.gap')).map(li => li.textContent),
   flags: Array.from(document.querySelectorAll('td[data-flag="1"]')).map(td => ({...td.dataset})),
   text: document.body.innerText,

@@ -34,10 +34,14 @@ def fabricate_run(
     `scores_fn(step_index, p, s) -> {reward: value or None}`; per-prompt means, overall means and diversity are
     computed here with numpy (the report must show these numbers).
     """
-    scores_fn = scores_fn or (lambda k, p, s: {TRAIN: 0.5 + 0.1 * k + 0.01 * p + 0.001 * s, GOLD: 0.9 - 0.05 * k - 0.02 * p})
+    scores_fn = scores_fn or (
+        lambda k, p, s: {TRAIN: 0.5 + 0.1 * k + 0.01 * p + 0.001 * s, GOLD: 0.9 - 0.05 * k - 0.02 * p}
+    )
     run = root / name
     run.mkdir(parents=True)
-    (run / "config.yaml").write_text(f"model:\n  path: toy\nrewards:\n  - name: {TRAIN}\neval:\n  gold_rewards: [{GOLD}]\n")
+    (run / "config.yaml").write_text(
+        f"model:\n  path: toy\nrewards:\n  - name: {TRAIN}\neval:\n  gold_rewards: [{GOLD}]\n"
+    )
     with open(run / "metrics.jsonl", "w") as f:
         for step in range(1, max(steps) + 1):
             f.write(
@@ -69,7 +73,9 @@ def fabricate_run(
                     for f, frame in enumerate(frames):
                         strip.paste(frame, (f * size, 0))
                     strip.save(folder / f"{stem}_strip.png")
-                    frames[0].save(folder / f"{stem}.gif", save_all=True, append_images=frames[1:], duration=125, loop=0)
+                    frames[0].save(
+                        folder / f"{stem}.gif", save_all=True, append_images=frames[1:], duration=125, loop=0
+                    )
                     sample.update(image=f"{stem}_strip.png", animation=f"{stem}.gif")
                 else:
                     Image.new("RGB", (size, size), colour(k, p, j)).save(folder / f"{stem}.png")
@@ -77,7 +83,8 @@ def fabricate_run(
                 samples.append(sample)
         names = list(samples[0]["scores"])
         per_prompt = {
-            n: [_mean([x["scores"][n] for x in samples if x["prompt_index"] == p]) for p in range(len(prompts))] for n in names
+            n: [_mean([x["scores"][n] for x in samples if x["prompt_index"] == p]) for p in range(len(prompts))]
+            for n in names
         }
         diversity = [0.3 - 0.1 * k + 0.01 * p for p in range(len(prompts))]
         (folder / "scores.json").write_text(

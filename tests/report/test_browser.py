@@ -25,7 +25,9 @@ def _check_page(chromium, index, shot):
     fetched = [u for u in chromium.requested_urls() if not u.startswith("data:")]
     assert fetched == [index.resolve().as_uri()]
     page = index.read_text()
-    assert "<script" not in page and '<link rel="stylesheet"' not in page and "@import" not in page and "url(" not in page
+    assert (
+        "<script" not in page and '<link rel="stylesheet"' not in page and "@import" not in page and "url(" not in page
+    )
     assert facts["images"], "the page shows no image"
     broken = [i for i in facts["images"] if not (i["complete"] and i["w"] > 0 and i["h"] > 0)]
     assert broken == []
@@ -57,8 +59,12 @@ def test_report_of_a_small_real_run_in_chromium(chromium, evaluated_run, tmp_pat
             delta = later["per_prompt"][reward][p] - base["per_prompt"][reward][p]
             assert _number(cells["delta", "step_000002", reward, str(p)]) == pytest.approx(delta, rel=5e-3, abs=1e-6)
         for scores in (base, later):
-            assert _number(cells["value", scores["label"], reward, "all"]) == pytest.approx(scores["means"][reward], rel=5e-3)
-            assert _number(cells["overview", scores["label"], reward, "all"]) == pytest.approx(scores["means"][reward], rel=5e-3)
+            assert _number(cells["value", scores["label"], reward, "all"]) == pytest.approx(
+                scores["means"][reward], rel=5e-3
+            )
+            assert _number(cells["overview", scores["label"], reward, "all"]) == pytest.approx(
+                scores["means"][reward], rel=5e-3
+            )
     for scores in (base, later):
         for p, value in enumerate(scores["diversity"]["per_prompt"]):
             assert _number(cells["value", scores["label"], "diversity", str(p)]) == pytest.approx(value, rel=5e-3)

@@ -32,7 +32,9 @@ def test_gap_flags_a_gold_reward_that_rises_less_than_its_training_reward(tmp_pa
         assert pair["flagged"] and row["watch"][EXACT][2] and not row["watch"][GOLD][2]
         assert row["flagged"] == [EXACT, "diversity"]  # the unpaired artifact judge stays flat: not flagged
         gap = f"{0.1875 * k:.3g}"
-        assert row["reasons"][EXACT] == [f"gained {gap} less than {TRAIN} on the same 6 samples (95% lower bound {gap})"]
+        assert row["reasons"][EXACT] == [
+            f"gained {gap} less than {TRAIN} on the same 6 samples (95% lower bound {gap})"
+        ]
         fall = f"{0.1 * k:.3g}"
         assert row["reasons"]["diversity"] == [f"fell by {fall} on the same 2 prompts (95% lower bound {fall})"]
         assert pair["bound"] == pytest.approx(0.1875 * k) and pair["verdict"] == "flagged"
@@ -67,7 +69,11 @@ def test_gap_is_measured_on_the_same_samples(tmp_path):
 def test_gap_is_not_compared_outside_the_unit_interval(tmp_path):
     values = lambda k, p, s: {TRAIN: 1.5 + k, EXACT: 0.5}  # noqa: E731
     pair = hacking_rows(_run(tmp_path, "range", values, steps=(0, 1)), 0.02, PAIRS)[0]["pairs"][EXACT]
-    assert (pair["gap"], pair["flagged"], pair["note"]) == (None, False, f"{TRAIN} = 1.5 is outside [0, 1]: not compared")
+    assert (pair["gap"], pair["flagged"], pair["note"]) == (
+        None,
+        False,
+        f"{TRAIN} = 1.5 is outside [0, 1]: not compared",
+    )
 
 
 def test_pairs_name_rewards_of_the_run(tmp_path):

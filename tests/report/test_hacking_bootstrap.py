@@ -1,5 +1,6 @@
-"""The hacking panel's paired bootstrap (`paired_bootstrap`) against an exact enumeration of every resample, its verdicts
-on a large shift and on one outlier, and the samples that moved most shown under a flagged or nearly flagged test."""
+"""The hacking panel's paired bootstrap (`paired_bootstrap`) against an exact enumeration of every resample, its
+verdicts on a large shift and on one outlier, and the samples that moved most shown under a flagged or nearly flagged
+test."""
 
 from __future__ import annotations
 
@@ -99,13 +100,17 @@ def test_one_sample_that_turned_empty_is_shown_not_flagged(tmp_path):
     result = build_report(run_dir, out_dir=tmp_path / "out")
     assert result["flags"] == {"outlier": [("step_000001", "diversity")]}  # fabricated diversity falls 0.1 per prompt
     page = (tmp_path / "out" / "index.html").read_text()
-    evidence = re.search(rf'<table class="hacking-evidence" data-run="outlier" data-test="{GOLD}".*?</table>', page).group(0)
+    evidence = re.search(
+        rf'<table class="hacking-evidence" data-run="outlier" data-test="{GOLD}".*?</table>', page
+    ).group(0)
     assert "<td>two green triangles</td>" in evidence and "0.765 &rarr; 0</td>" in evidence and "+0.765" in evidence
     assert re.findall(r'alt="(evidence [^"]+)"', evidence) == [
         "evidence base/p002_s005.png",
         "evidence step_000001/p002_s005.png",
     ]
-    lead = f"<b>{GOLD} (fall)</b> at step 1: mean fall +0.0239, 95% lower bound +0 over 32 samples, not flagged: the bound"
+    lead = (
+        f"<b>{GOLD} (fall)</b> at step 1: mean fall +0.0239, 95% lower bound +0 over 32 samples, not flagged: the bound"
+    )
     assert lead + " is not above the margin. The sample with the largest fall:" in page
 
 
@@ -120,19 +125,30 @@ def test_a_flagged_gap_shows_the_samples_whose_gap_is_largest(tmp_path):
     assert pair["flagged"] and pair["bound"] > 0.2 and len(pair["moved"]) == EVIDENCE
     assert [(m["prompt"], m["seed"]) for m in pair["moved"]] == [(PROMPTS[3], s) for s in (7, 6, 5, 4)]
     top = pair["moved"][0]
-    assert top["before"] == pytest.approx({TRAIN: 0.2, EXACT: 0.1}) and top["after"] == pytest.approx({TRAIN: 0.92, EXACT: 0.15})
+    assert top["before"] == pytest.approx({TRAIN: 0.2, EXACT: 0.1}) and top["after"] == pytest.approx(
+        {TRAIN: 0.92, EXACT: 0.15}
+    )
     assert top["effect"] == pytest.approx(0.67)
     build_report(run_dir, out_dir=tmp_path / "out", hacking_pairs={EXACT: TRAIN})
     page = (tmp_path / "out" / "index.html").read_text()
-    evidence = re.search(rf'<table class="hacking-evidence" data-run="gap" data-test="{EXACT}".*?</table>', page).group(0)
+    evidence = re.search(rf'<table class="hacking-evidence" data-run="gap" data-test="{EXACT}".*?</table>', page).group(
+        0
+    )
     assert evidence.count("<tr>") == 1 + EVIDENCE and len(re.findall(r'alt="evidence ', evidence)) == 2 * EVIDENCE
     assert '<td>one yellow circle</td><td class="num">7</td>' in evidence
-    assert '<td class="num">0.2 &rarr; 0.92</td><td class="num">0.1 &rarr; 0.15</td><td class="num">+0.67</td>' in evidence
+    assert (
+        '<td class="num">0.2 &rarr; 0.92</td><td class="num">0.1 &rarr; 0.15</td><td class="num">+0.67</td>' in evidence
+    )
 
 
 def test_a_quiet_run_shows_no_evidence(tmp_path):
     run_dir = fabricate_run(
-        tmp_path, "quiet", prompts=PROMPTS[:2], seeds=SEEDS[:3], steps=[0, 1], scores_fn=lambda k, p, s: {TRAIN: 0.5, GOLD: 0.5}
+        tmp_path,
+        "quiet",
+        prompts=PROMPTS[:2],
+        seeds=SEEDS[:3],
+        steps=[0, 1],
+        scores_fn=lambda k, p, s: {TRAIN: 0.5, GOLD: 0.5},
     )
     (row,) = hacking_rows(load_run(run_dir), 0.02)
     assert not row["rising"] and row["falls"][GOLD]["verdict"] == "not flagged: no training reward rose, no fall"

@@ -253,7 +253,9 @@ def test_steps_choice_and_large_images_shrunk_to_thumb(tmp_path):
 
     from PIL import ImageSequence
 
-    run_dir = fabricate_run(tmp_path, "big", prompts=PROMPTS[:1], seeds=SEEDS[:2], steps=[0, 5, 10], video=True, size=48)
+    run_dir = fabricate_run(
+        tmp_path, "big", prompts=PROMPTS[:1], seeds=SEEDS[:2], steps=[0, 5, 10], video=True, size=48
+    )
     result = build_report(run_dir, out_dir=tmp_path / "out", steps=[10, 15], thumb=24)
     assert [p.rsplit("/", 1)[1] for p in result["grids"]] == ["grid_000010.png"]
     assert ("big", "eval/step_000015 requested with --steps does not exist") in result["gaps"]

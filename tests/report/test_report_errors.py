@@ -65,16 +65,28 @@ def test_scores_json_that_is_not_utf8(tmp_path, capsys):
             lambda s: s["rewards"].update(gold="toy_artifact"),
             'rewards.gold is a JSON string ("toy_artifact"), not a list of reward names',
         ),
-        (lambda s: s["samples"][3].update(prompt_index=2), "sample 3 has prompt_index 2, not an integer in 0..1 (2 prompts)"),
+        (
+            lambda s: s["samples"][3].update(prompt_index=2),
+            "sample 3 has prompt_index 2, not an integer in 0..1 (2 prompts)",
+        ),
         (lambda s: s["samples"][0].pop("seed"), "sample 0 has seed null, not an integer"),
-        (lambda s: s["samples"][1].pop("image"), "sample 1 has image null, not a file name relative to its eval folder"),
+        (
+            lambda s: s["samples"][1].pop("image"),
+            "sample 1 has image null, not a file name relative to its eval folder",
+        ),
         (
             lambda s: s["samples"][2]["scores"].update({TRAIN: "high"}),
             f"sample 2 has score '{TRAIN}' = \"high\", not a number or null",
         ),
-        (lambda s: s["per_prompt"].update({TRAIN: [0.5]}), f"per_prompt['{TRAIN}'] holds 1 values, not one value per prompt (2)"),
+        (
+            lambda s: s["per_prompt"].update({TRAIN: [0.5]}),
+            f"per_prompt['{TRAIN}'] holds 1 values, not one value per prompt (2)",
+        ),
         (lambda s: s["means"].update({TRAIN: [0.5]}), f"'means'['{TRAIN}'] is [0.5], not a number or null"),
-        (lambda s: s["diversity"].update(per_prompt=None, mean="wide"), 'diversity.mean is "wide", not a number or null'),
+        (
+            lambda s: s["diversity"].update(per_prompt=None, mean="wide"),
+            'diversity.mean is "wide", not a number or null',
+        ),
     ],
     ids=[
         "no-samples",
@@ -105,7 +117,9 @@ def test_scores_json_that_is_a_list(tmp_path, capsys):
     run_dir = _run(tmp_path)
     path = run_dir / "eval" / "step_000005" / "scores.json"
     path.write_text("[1, 2]")
-    assert _error(capsys, [str(run_dir)]).startswith(f"{path} holds a JSON list, not an object; it must be a scores.json")
+    assert _error(capsys, [str(run_dir)]).startswith(
+        f"{path} holds a JSON list, not an object; it must be a scores.json"
+    )
 
 
 def test_metrics_with_a_broken_middle_line(tmp_path, capsys):

@@ -25,7 +25,14 @@ def test_trainer_run_folder_report_and_eval(tiny_pipeline, tmp_path, capsys):
         "seed": 3,
         "model": {"path": tiny_pipeline("sd3"), "lora_rank": 4},
         "data": {"prompts": ["a red cat", "a blue dog"], "num_prompts_per_step": 2, "group_size": 2},
-        "sampler": {"name": "sde", "num_steps": 2, "height": 32, "width": 32, "guidance_scale": 2.0, "noise_level": 0.7},
+        "sampler": {
+            "name": "sde",
+            "num_steps": 2,
+            "height": 32,
+            "width": 32,
+            "guidance_scale": 2.0,
+            "noise_level": 0.7,
+        },
         "rewards": [{"name": "jpeg_compressibility"}],
         "train": {"learning_rate": 0.05, "clip_range": 1e-3, "use_async_rewards": False},
         "logging": {"trackers": [], "progress_bar": False},
@@ -48,7 +55,10 @@ def test_trainer_run_folder_report_and_eval(tiny_pipeline, tmp_path, capsys):
     assert (run / "report" / "grid_000002.png").is_file()
     trained = json.loads((run / "eval" / "step_000002" / "scores.json").read_text())
     for reward, value in trained["means"].items():
-        assert f'data-step="step_000002" data-reward="{reward}" data-prompt="all" data-kind="overview">{value:.3g}<' in page
+        assert (
+            f'data-step="step_000002" data-reward="{reward}" data-prompt="all" data-kind="overview">{value:.3g}<'
+            in page
+        )
 
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
     out = tmp_path / "re_eval"

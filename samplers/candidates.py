@@ -166,8 +166,8 @@ class CandidatesSampler:
     def __post_init__(self) -> None:
         if self.pool_size < 1 or self.num_steps < 1 or self.preview_num_steps < 1:
             raise ValueError(
-                f"pool_size={self.pool_size}, num_steps={self.num_steps} and preview_num_steps={self.preview_num_steps} "
-                "must be >= 1"
+                f"pool_size={self.pool_size}, num_steps={self.num_steps} and "
+                f"preview_num_steps={self.preview_num_steps} must be >= 1"
             )
         if self.preview_batch_size is not None and self.preview_batch_size < 1:
             raise ValueError(
@@ -177,7 +177,9 @@ class CandidatesSampler:
         select_indices(torch.zeros(2), 1, self.selection)  # validates the name
         backends = parse_backend(self.preview_backend)
         if "full" in backends and backends != ["full"]:
-            raise ValueError(f"sampler.preview_backend={self.preview_backend!r}: 'full' (naive scaling) combines with nothing")
+            raise ValueError(
+                f"sampler.preview_backend={self.preview_backend!r}: 'full' (naive scaling) combines with nothing"
+            )
         skip, cache = tuple(self.preview_skip), dict(self.preview_cache)
         self.spec = None if backends == ["full"] else PreviewSpec(backends, skip, self.preview_min_features, cache)
         self.previews = None if self.spec is None else PreviewCache(self.spec)  # one preview copy, refreshed per step
@@ -185,8 +187,9 @@ class CandidatesSampler:
         name = spec.pop("name", None)
         if name is None or name in ("candidates", "tree"):
             raise ValueError(
-                f"sampler.full.name={name!r}: name the stage-2 sampler (ode for NFT, sde for GRPO); a tree grows a whole group "
-                "from one root and candidates would recurse, so neither can regenerate the selected seeds one by one"
+                f"sampler.full.name={name!r}: name the stage-2 sampler (ode for NFT, sde for GRPO); a tree grows a "
+                "whole group from one root and candidates would recurse, so neither can regenerate the selected seeds "
+                "one by one"
             )
         for key in SHARED:
             if key in spec:
@@ -195,14 +198,16 @@ class CandidatesSampler:
             raise ValueError("sampler.full.same_latent=true: regenerated seeds need their own initial noise; drop it")
         self.full_sampler = SAMPLERS.get(name)(**spec, **{k: getattr(self, k) for k in SHARED})
         if self.train_on not in ("full", "previews"):
-            raise ValueError(f"sampler.train_on={self.train_on!r} must be 'full' (regenerate the selection) or 'previews'")
+            raise ValueError(
+                f"sampler.train_on={self.train_on!r} must be 'full' (regenerate the selection) or 'previews'"
+            )
         self.pool_sampler = self.full_sampler  # runs a whole pool where its samples are kept (naive scaling, previews)
         if self.train_on == "previews":
             if self.spec is None or "cached" in self.spec.backends:
                 raise ValueError(
-                    f"sampler.train_on=previews with preview_backend={self.preview_backend!r}: training on previews needs a "
-                    "preview model (a precision and/or few_step; 'full' is naive scaling and the cache hooks' step clock "
-                    "runs in the ODE preview only)"
+                    f"sampler.train_on=previews with preview_backend={self.preview_backend!r}: training on previews "
+                    "needs a preview model (a precision and/or few_step; 'full' is naive scaling and the cache hooks' "
+                    "step clock runs in the ODE preview only)"
                 )
             steps = self.preview_num_steps if self.few_step else self.num_steps
             shared = {k: getattr(self, k) for k in SHARED}
@@ -249,7 +254,8 @@ class CandidatesSampler:
         steps = self.preview_num_steps if self.few_step else self.num_steps
         sigmas = model.sigmas(steps, *size).to(model.device)  # [P+1]
         x = latents.float()
-        with cache_contexts(model.transformer, steps) if "cached" in self.spec.backends else contextlib.nullcontext() as clock:
+        cached = "cached" in self.spec.backends
+        with cache_contexts(model.transformer, steps) if cached else contextlib.nullcontext() as clock:
             for k in range(steps):
                 if clock is not None:
                     clock.update(step=k, call=0)
@@ -258,7 +264,9 @@ class CandidatesSampler:
                 x, _, _, _ = sde.sde_step(v.float(), x, sigmas[k], sigmas[k + 1], "ode", 0.0)
         return x
 
-    def _preview_pools(self, model: FlowModel, preview, prompts, metadata, pools, guidance: float, size) -> torch.Tensor:
+    def _preview_pools(
+        self, model: FlowModel, preview, prompts, metadata, pools, guidance: float, size
+    ) -> torch.Tensor:
         """Decoded previews [sum P, ...] of every pool (pool order), the rows run preview_batch_size at a time: each row
         is its own seed's ODE, so the chunking changes no sample, only how many forwards the pools take."""
         seeds = torch.cat(pools)
@@ -269,7 +277,9 @@ class CandidatesSampler:
         with previewing(model, preview):
             for i in range(0, len(seeds), chunk):
                 rows = slice(i, i + chunk)
-                images.append(model.decode(self._preview(model, latents[rows], select_cond(cond, rows), guidance, size)))
+                images.append(
+                    model.decode(self._preview(model, latents[rows], select_cond(cond, rows), guidance, size))
+                )
         return torch.cat(images)
 
     @torch.no_grad()
@@ -282,7 +292,9 @@ class CandidatesSampler:
         step: int = 0,
     ) -> Rollout:
         if score_fn is None:
-            raise ValueError("sampler 'candidates' ranks its pools with the trainer's score_fn; call it with score_fn=...")
+            raise ValueError(
+                "sampler 'candidates' ranks its pools with the trainer's score_fn; call it with score_fn=..."
+            )
         tic = time.perf_counter()
         # 1. Pools: one per prompt group, from the group's seed
         guidance = self.guidance_scale if self.guidance_scale is not None else model.default_guidance_scale
@@ -305,8 +317,10 @@ class CandidatesSampler:
             pool_gen = pool_generator(int(group_seeds[rows[0]]))
             pool = pool_seeds(pool_gen, self.pool_size)  # [P]
             first = rows[0]
-            group_prompts, group_meta = [batch.prompts[first]] * self.pool_size, [batch.metadata[first]] * self.pool_size
-            if self.pool_rollouts:  # the pool itself (full precision, or the preview model): its selection is the rollout
+            group_prompts = [batch.prompts[first]] * self.pool_size
+            group_meta = [batch.metadata[first]] * self.pool_size
+            # the pool itself (full precision, or the preview model): its selection is the rollout
+            if self.pool_rollouts:
                 pool_batch = PromptBatch(group_prompts, torch.full((self.pool_size,), gid), group_meta, seeds=pool)
                 in_place = previewing(model, preview) if preview is not None else contextlib.nullcontext()
                 with in_place, self._precision(model):
@@ -318,7 +332,9 @@ class CandidatesSampler:
         if not self.pool_rollouts:  # every pool's preview in one ODE run, preview_batch_size rows per forward
             images = [self._preview_pools(model, preview, prompts, metadata, [p for _, p, _ in pools], guidance, size)]
         del preview
-        scores = score_fn(torch.cat(images), prompts, metadata).detach().float().cpu().reshape(len(groups), self.pool_size)
+        scores = (
+            score_fn(torch.cat(images), prompts, metadata).detach().float().cpu().reshape(len(groups), self.pool_size)
+        )
         # 4. Selection: the group's G rows take its selected seeds in pool order
         selected = torch.empty(len(seeds), dtype=torch.int64)  # [N] pool index of each row
         pool_table = torch.empty(len(seeds), self.pool_size, dtype=torch.int64)  # [N, P]
@@ -334,7 +350,8 @@ class CandidatesSampler:
         if self.pool_rollouts:
             order = [r for rows, _, _ in pools for r in rows]  # batch rows in group order
             parts = [
-                take_rows(part, selected[rows].tolist(), batch.select(rows)) for part, (rows, _, _) in zip(pool_rollouts, pools)
+                take_rows(part, selected[rows].tolist(), batch.select(rows))
+                for part, (rows, _, _) in zip(pool_rollouts, pools)
             ]
             inverse = torch.empty(len(order), dtype=torch.int64)
             inverse[torch.tensor(order)] = torch.arange(len(order))
@@ -358,7 +375,9 @@ class CandidatesSampler:
             if self.pool_rollouts:
                 rollout.extras["full_scores"] = rollout.extras["preview_scores"].clone()
             else:
-                rollout.extras["full_scores"] = score_fn(rollout.images, rollout.prompts, rollout.metadata).detach().float().cpu()
+                rollout.extras["full_scores"] = (
+                    score_fn(rollout.images, rollout.prompts, rollout.metadata).detach().float().cpu()
+                )
         return rollout
 
 

@@ -103,7 +103,9 @@ class ODESampler:
         """Step with a fresh copy of the checkpoint's own scheduler (multistep solvers keep state)."""
         pipe = getattr(model, "pipe", None)
         if pipe is None:
-            raise ValueError(f"scheduler='pipeline' needs a diffusers-backed model; {model.family!r} has no pipeline scheduler")
+            raise ValueError(
+                f"scheduler='pipeline' needs a diffusers-backed model; {model.family!r} has no pipeline scheduler"
+            )
         scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
         kwargs = {}
         accepted = inspect.signature(scheduler.set_timesteps).parameters

@@ -88,14 +88,16 @@ class SDESampler:
         if self.sigma_schedule not in ("model", "dance"):
             raise ValueError(f"sigma_schedule={self.sigma_schedule!r} must be 'model' or 'dance'")
         if self.sigma_max != 1.0 and self.sigma_schedule != "dance":
-            raise ValueError(f"sigma_max={self.sigma_max} applies to sigma_schedule='dance' only; set sigma_schedule: dance")
+            raise ValueError(
+                f"sigma_max={self.sigma_max} applies to sigma_schedule='dance' only; set sigma_schedule: dance"
+            )
         r0, r1 = self.window_range()
         if self.sde_window_size < 0 or (
             self.sde_window_size and not (0 <= r0 and r0 + self.sde_window_size <= r1 <= self.num_steps)
         ):
             raise ValueError(
-                f"sde_window_size={self.sde_window_size} does not fit sde_window_range=({r0}, {r1}) of {self.num_steps} "
-                "steps; need 0 <= r0 and r0 + size <= r1 <= num_steps"
+                f"sde_window_size={self.sde_window_size} does not fit sde_window_range=({r0}, {r1}) of "
+                f"{self.num_steps} steps; need 0 <= r0 and r0 + size <= r1 <= num_steps"
             )
 
     def carries(self) -> frozenset[str]:

@@ -19,7 +19,8 @@ The Rollout has one row per leaf, in batch order (the trainer scores the decoded
   transitions            every stochastic edge exactly once, in the row of the first leaf below the edge's child;
                          the other rows pass through the same states with noise level 0 and log-prob 0 there
   std_scales [N, T]      the std multiplier each edge's log-prob uses: λ on split edges ('scaled', the density
-                         the child was drawn from) or 1 (BranchGRPO's 'unscaled' quirk, docs/recipes/grpo.md#tree-rollouts)
+                         the child was drawn from) or 1 (BranchGRPO's 'unscaled' quirk,
+                         docs/recipes/grpo.md#tree-rollouts)
   extras                 tree_nodes [N, T+1] (the row's node id at each depth: its leaf-to-root path; the tree is
                          the row's group id), split_steps, branching, num_trees, num_forwards, nodes_per_step,
                          forward_calls, seeds
@@ -110,19 +111,23 @@ class TreeSampler:
         steps = [int(s) for s in self.split_steps]
         if sorted(set(steps)) != steps or any(not 0 <= s <= self.num_steps - 2 for s in steps):
             raise ValueError(
-                f"split_steps={list(self.split_steps)} must be increasing steps in [0, num_steps - 2 = {self.num_steps - 2}]"
+                f"split_steps={list(self.split_steps)} must be increasing steps in "
+                f"[0, num_steps - 2 = {self.num_steps - 2}]"
             )
         self.split_steps = tuple(steps)
         factors = [self.branching] * len(steps) if isinstance(self.branching, int) else list(self.branching)
         if len(factors) != len(steps) or any(int(b) != b or b < 2 for b in factors):
             raise ValueError(
-                f"branching={self.branching!r} must be an integer >= 2 or one such integer per split step ({len(steps)})"
+                f"branching={self.branching!r} must be an integer >= 2 or one such integer per split step "
+                f"({len(steps)})"
             )
         self.factors = tuple(int(b) for b in factors)
         if not self.split_noise_scale > 0:
             raise ValueError(f"split_noise_scale={self.split_noise_scale} must be > 0 (1 = the step's own std)")
         if self.split_log_prob not in SPLIT_LOG_PROBS:
-            raise ValueError(f"split_log_prob={self.split_log_prob!r} must be 'scaled' (exact) or 'unscaled' (BranchGRPO)")
+            raise ValueError(
+                f"split_log_prob={self.split_log_prob!r} must be 'scaled' (exact) or 'unscaled' (BranchGRPO)"
+            )
         for name in ("mix_window_size", "mix_window_stride", "max_forward_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
@@ -141,7 +146,8 @@ class TreeSampler:
         return frozenset(out)
 
     def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor:
-        """[T] bool: the steps of its grid on the σ the model trains; with `stochastic_only`, only its stochastic ones."""
+        """[T] bool: the steps of its grid on the σ the model trains; with `stochastic_only`, only its stochastic
+        ones."""
         steps = trainable_steps(model, self.grid(model))
         return steps & (torch.tensor(self.step_noise_levels()) > 0) if stochastic_only else steps
 
@@ -155,8 +161,9 @@ class TreeSampler:
             )
         if chunk_size is not None and chunk_size % leaves:
             raise ValueError(
-                f"train.num_rollout_batches={num_chunks} makes rollout chunks of {chunk_size} samples, which splits a tree "
-                f"of {leaves} leaves; make it a divisor of the {chunk_size * num_chunks // leaves} trees per process"
+                f"train.num_rollout_batches={num_chunks} makes rollout chunks of {chunk_size} samples, which splits a "
+                f"tree of {leaves} leaves; make it a divisor of the {chunk_size * num_chunks // leaves} trees per "
+                "process"
             )
 
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
@@ -201,8 +208,9 @@ class TreeSampler:
         for gid, rows in groups.items():
             if len(rows) != self.num_leaves:
                 raise ValueError(
-                    f"tree sampler: group {gid} has {len(rows)} samples in this batch but its tree has {self.num_leaves} "
-                    f"leaves; set data.group_size={self.num_leaves} and keep each group whole in one rollout chunk"
+                    f"tree sampler: group {gid} has {len(rows)} samples in this batch but its tree has "
+                    f"{self.num_leaves} leaves; set data.group_size={self.num_leaves} and keep each group whole in one "
+                    "rollout chunk"
                 )
         return list(groups.values())
 
@@ -219,14 +227,18 @@ class TreeSampler:
         # 1. Prompts, seeds and trees (one per group)
         guidance = self.guidance_scale if self.guidance_scale is not None else model.default_guidance_scale
         height, width, frames = resolve_size(self, model)
-        cond = encode_prompts(model, batch.prompts, batch.metadata, self.negative_prompt, guidance, (height, width, frames))
+        cond = encode_prompts(
+            model, batch.prompts, batch.metadata, self.negative_prompt, guidance, (height, width, frames)
+        )
         seeds = batch_seeds(batch, generator)
         trees = self.trees(batch)
         first = torch.tensor([rows[0] for rows in trees])  # [B] one row per tree
         tree_seeds = latent_seeds(batch, seeds, same_latent=True)[first]  # [B]
         tree_cond = select_cond(cond, first.to(cond[next(iter(cond))].device))
         # 2. Roots: each tree's initial noise from its group seed (the SDE sampler's shared noise)
-        x = model.prepare_latents(len(trees), height, width, sample_generators(tree_seeds, model.device), frames).float()
+        x = model.prepare_latents(
+            len(trees), height, width, sample_generators(tree_seeds, model.device), frames
+        ).float()
         # 3. Time grid, per-step noise levels, the tree's shape
         sigmas = self.grid(model).to(model.device)  # [T+1]
         levels, children, nodes = self.step_noise_levels(), self.children_per_node(), self.nodes_per_depth()
@@ -246,9 +258,13 @@ class TreeSampler:
             if levels[k] > 0:
                 if b > 1:
                     x, v = x.repeat_interleave(b, dim=0), v.repeat_interleave(b, dim=0)  # parent-major children
-                noise = torch.cat([torch.randn((nodes[k + 1], *x.shape[1:]), generator=g, device=x.device) for g in generators])
+                noise = torch.cat(
+                    [torch.randn((nodes[k + 1], *x.shape[1:]), generator=g, device=x.device) for g in generators]
+                )
                 scale = self.split_noise_scale if b > 1 else None
-                x_next, log_prob, _, _ = self.rule.step(v, x, sigmas[k], sigmas[k + 1], levels[k], noise=noise, std_scale=scale)
+                x_next, log_prob, _, _ = self.rule.step(
+                    v, x, sigmas[k], sigmas[k + 1], levels[k], noise=noise, std_scale=scale
+                )
                 if b > 1 and self.split_log_prob == "unscaled":  # BranchGRPO: drawn with λ·s_k, scored with s_k
                     _, log_prob, _, _ = self.rule.step(v, x, sigmas[k], sigmas[k + 1], levels[k], prev_sample=x_next)
             else:
@@ -266,7 +282,8 @@ class TreeSampler:
         offsets = [sum(nodes[:d]) for d in range(len(nodes))]
         order = torch.empty_like(rows)
         order[rows] = torch.arange(len(rows))  # batch row -> position in (tree, leaf) order
-        index = [(tree_of * n + leaf // m)[order] for n, m in zip(nodes, below)]  # per depth [N] into depth d's frontier
+        # per depth [N] into depth d's frontier
+        index = [(tree_of * n + leaf // m)[order] for n, m in zip(nodes, below)]
         latent_index = torch.stack([start + i for start, i in zip(starts, index)], dim=1).to(table.device)  # [N, T+1]
         owner = torch.stack([(leaf % m == 0)[order] for m in below[1:]], dim=1)  # [N, T] row owns its step-k edge
         log_probs = torch.stack([lp[i.to(lp.device)] for lp, i in zip(edge_log_probs, index[1:])], dim=1).cpu()

@@ -47,7 +47,9 @@ def test_regenerated_samples_equal_a_full_precision_rollout_of_the_same_seeds(to
     seeds = rollout.extras["seeds"]
     cls = ODESampler if full["name"] == "ode" else SDESampler
     kwargs = {k: v for k, v in full.items() if k != "name"}
-    direct = cls(num_steps=3, guidance_scale=1.0, **kwargs)(toy, PromptBatch(batch.prompts, batch.group_ids, seeds=seeds))
+    direct = cls(num_steps=3, guidance_scale=1.0, **kwargs)(
+        toy, PromptBatch(batch.prompts, batch.group_ids, seeds=seeds)
+    )
     assert torch.equal(rollout.latents, direct.latents)
     assert torch.equal(rollout.images, direct.images)
     assert torch.equal(rollout.log_probs, direct.log_probs) and torch.equal(rollout.transitions, direct.transitions)
@@ -147,7 +149,10 @@ def test_the_preview_follows_the_policy_after_an_optimizer_step():
     # a quantized layer holds NVFP4(W + s·B·A) of the new weights, the merge written out by hand
     name = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"
     layer = model.transformer.get_submodule(name)
-    merged = layer.base_layer.weight + layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    merged = (
+        layer.base_layer.weight
+        + layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    )
     assert torch.equal(preview.get_submodule(name).weight, fake_quant_nvfp4(merged.detach()))
 
 
@@ -165,7 +170,9 @@ def test_int8_backend_runs_and_hardware_backends_name_what_they_need():
     int8 = build_preview(model.transformer, PreviewSpec(["int8"]))
     assert any("quantized" in type(m).__module__ for m in int8.modules())
     torch.testing.assert_close(velocity_of(model, int8), velocity_of(model), rtol=0, atol=0.1)
-    with pytest.raises(ValueError, match=r"'nvfp4' needs torchao kernels on an sm_100\+ GPU; this run has the CPU: use auto"):
+    with pytest.raises(
+        ValueError, match=r"'nvfp4' needs torchao kernels on an sm_100\+ GPU; this run has the CPU: use auto"
+    ):
         build_preview(model.transformer, PreviewSpec(["nvfp4"]))
     with pytest.raises(ValueError, match=r"'fp8' needs torchao kernels on an sm_89\+ GPU"):
         build_preview(model.transformer, PreviewSpec(["fp8"]))
@@ -174,7 +181,8 @@ def test_int8_backend_runs_and_hardware_backends_name_what_they_need():
 
 
 def count_block_calls(module):
-    """Attention forwards inside the transformer blocks (a skipped block's hook returns its cache, its layers stay idle)."""
+    """Attention forwards inside the transformer blocks (a skipped block's hook returns its cache, its layers stay
+    idle)."""
     calls = []
     for name, block in module.named_modules():
         if name.startswith(("transformer_blocks.", "single_transformer_blocks.")) and name.endswith(".attn"):
@@ -227,7 +235,9 @@ def test_bad_settings_are_one_line_errors(toy):
 
 def test_naive_scaling_keeps_the_full_precision_pool_samples(toy):
     batch = groups_batch()
-    rollout = candidates(preview_backend="full", full={"name": "sde", "noise_level": 0.7})(toy, batch, score_fn=brightness)
+    rollout = candidates(preview_backend="full", full={"name": "sde", "noise_level": 0.7})(
+        toy, batch, score_fn=brightness
+    )
     seeds = rollout.extras["seeds"]
     direct = SDESampler(num_steps=3, guidance_scale=1.0, noise_level=0.7)(
         toy, PromptBatch(batch.prompts, batch.group_ids, seeds=seeds)
@@ -244,5 +254,7 @@ def test_naive_scaling_keeps_the_full_precision_pool_samples(toy):
 def test_rollout_chunks_that_split_a_group_are_refused():
     overrides = ["train.num_rollout_batches=16"]  # 64 samples: chunks of 4 split groups of 8
     cfg = load_config(Path(__file__).parents[2] / "configs" / "toy" / "solrl.yaml", overrides)
-    with pytest.raises(ValueError, match="chunks of 4 samples, which splits a prompt group of 8 .*divisor of the 8 groups"):
+    with pytest.raises(
+        ValueError, match="chunks of 4 samples, which splits a prompt group of 8 .*divisor of the 8 groups"
+    ):
         step_batches(cfg, SAMPLERS.get("candidates")(**cfg.sampler.kwargs), num_processes=1)

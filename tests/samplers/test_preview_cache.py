@@ -1,5 +1,6 @@
-"""The candidates sampler's one preview copy (flowrl.quant.PreviewCache): built once, refreshed in place from the live
-weights when they change, bit for bit the preview a fresh copy would be, and never a new copy of the model per rollout."""
+"""The candidates sampler's one preview copy (flowrl.quant.PreviewCache): built once, refreshed in place from the
+live weights when they change, bit for bit the preview a fresh copy would be, and never a new copy of the model per
+rollout."""
 
 import pytest
 import torch

@@ -5,7 +5,10 @@ built from its dataclass fields with small sizes (3 steps, the toy's native 32x3
 `score_fn` (samplers that rank candidates need one; the others ignore it).
 """
 
+import ast
 import dataclasses
+import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,7 +126,9 @@ def test_transition_table_is_every_step_with_positive_std(model, name):
         for i in range(n)
         for k in range(t)
         if float(
-            sde.sde_std(float(sigmas[k]), float(sigmas[k + 1]), r.rule.kind, float(levels[i, k]), r.rule.first_step_threshold)
+            sde.sde_std(
+                float(sigmas[k]), float(sigmas[k + 1]), r.rule.kind, float(levels[i, k]), r.rule.first_step_threshold
+            )
         )
         > 0
     ]
@@ -166,3 +171,26 @@ def test_every_protocol_member_is_declared(model, name):
     rollout = sample(sampler, model, make_batch())
     assert stochastic[rollout.transitions[:, 1]].all()  # every trainable transition lies on a step it states
     assert all(isinstance(k, str) and isinstance(v, float) for k, v in sampler.rollout_metrics(rollout).items())
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The dotted modules a file imports (relative imports resolved inside flowrl.samplers)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = "flowrl.samplers" + (f".{base}" if base else "")
+            out |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return out
+
+
+@pytest.mark.parametrize("name", SAMPLERS.names())
+def test_a_sampler_plugin_imports_no_other_plugin(name):
+    """The stages samplers share live in private modules (samplers/_rollout.py); a plugin never imports a sibling."""
+    path = Path(inspect.getfile(SAMPLERS.get(name)))
+    plugins = {f"flowrl.samplers.{p.stem}" for p in path.parent.glob("*.py") if not p.stem.startswith("_")}
+    siblings = sorted((imported_modules(path) & plugins) - {f"flowrl.samplers.{path.stem}"})
+    assert not siblings, f"samplers/{path.name} imports the plugin(s) {siblings}; move what they share to a _module"

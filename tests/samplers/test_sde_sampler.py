@@ -20,7 +20,9 @@ def make_batch(prompts=("a red cat", "a red cat", "two dogs", "two dogs"), group
 
 
 def sampler(name="sde", **kw):
-    return SAMPLERS.get(name)(num_steps=kw.pop("num_steps", 4), guidance_scale=kw.pop("guidance_scale", 3.0), **SIZE, **kw)
+    return SAMPLERS.get(name)(
+        num_steps=kw.pop("num_steps", 4), guidance_scale=kw.pop("guidance_scale", 3.0), **SIZE, **kw
+    )
 
 
 def train_mask(rollout) -> torch.Tensor:
@@ -80,7 +82,8 @@ def test_rescoring_with_same_weights_gives_ratio_exactly_one(model):
 
 
 def test_stored_log_prob_is_the_gaussian_density_of_the_step(model):
-    """An independent density: torch.distributions.Normal around the flow_grpo mean (docs/math.md#sde-steps) written out here."""
+    """An independent density: torch.distributions.Normal around the flow_grpo mean (docs/math.md#sde-steps)
+    written out here."""
     r = sampler(noise_level=0.7, num_steps=4)(model, make_batch())
     k = 1
     sigma, sigma_next = float(r.sigmas[k]), float(r.sigmas[k + 1])
@@ -160,8 +163,12 @@ def test_ode_with_the_pipelines_own_scheduler(tiny_model):
     from diffusers import UniPCMultistepScheduler
 
     model = tiny_model("sd3")
-    model.pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-    r = sampler("ode", scheduler="pipeline", num_steps=4)(model, make_batch(prompts=["a red cat"], groups=[0], seeds=[5]))
+    model.pipe.scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    r = sampler("ode", scheduler="pipeline", num_steps=4)(
+        model, make_batch(prompts=["a red cat"], groups=[0], seeds=[5])
+    )
     out = model.pipe(
         "a red cat",
         **SIZE,

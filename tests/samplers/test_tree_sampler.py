@@ -41,7 +41,9 @@ class OneRowAtATime:
         n = latents.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).reshape(-1).expand(n)
         rows = [{key: value[i : i + 1] for key, value in cond.items()} for i in range(n)]
-        return torch.cat([self.model.velocity(latents[i : i + 1], sigma[i : i + 1], rows[i], guidance_scale) for i in range(n)])
+        return torch.cat(
+            [self.model.velocity(latents[i : i + 1], sigma[i : i + 1], rows[i], guidance_scale) for i in range(n)]
+        )
 
 
 class Redness:
@@ -100,7 +102,9 @@ def test_siblings_share_their_prefix_exactly_and_own_each_edge_once(model):
                 assert shared in (1, 3) and not torch.equal(r.paths()[a, shared], r.paths()[b, shared])
     # edges: 2 + 2 + 4 = 8 per tree over steps 0..2, each in the row of the first leaf below its child
     table = {tuple(e) for e in r.transitions.tolist()}
-    assert table == {(t * 4 + i, k) for t in (0, 1) for i, k in [(0, 0), (2, 0), (0, 1), (2, 1), (0, 2), (1, 2), (2, 2), (3, 2)]}
+    assert table == {
+        (t * 4 + i, k) for t in (0, 1) for i, k in [(0, 0), (2, 0), (0, 1), (2, 1), (0, 2), (1, 2), (2, 2), (3, 2)]
+    }
     assert r.std_scales[0, 0] == 3.0 and r.std_scales[0, 2] == 3.0 and r.std_scales[0, 1] == 1.0
 
 
@@ -113,7 +117,8 @@ def test_shared_prefixes_are_stored_once_not_per_leaf(model):
     assert r.latents.shape == (2 * 13, *r.latents.shape[1:]) and r.latent_index.shape == (8, 5)  # not 8 x 5 = 40
     assert r.latents.untyped_storage().nbytes() == r.latents.numel() * 4  # no larger storage behind the table
     assert sorted(r.latent_index.unique().tolist()) == list(range(26))  # every stored state is some leaf's node
-    # depth-major, tree-major within a depth: the row of (depth d, tree t, node j) is 2·Σ_{d'<d} nodes(d') + t·nodes(d) + j
+    # depth-major, tree-major within a depth: the row of (depth d, tree t, node j) is
+    # 2·Σ_{d'<d} nodes(d') + t·nodes(d) + j
     nodes = r.extras["tree_nodes"]  # [N, T+1] node id within its tree, offset by Σ_{d'<d} nodes(d')
     starts = torch.tensor([0, 1, 3, 5, 9])
     expected = 2 * starts + r.group_ids[:, None] * torch.tensor([1, 2, 2, 4, 4]) + (nodes - starts)
@@ -260,11 +265,15 @@ def test_tree_settings_that_cannot_run_are_one_line_config_errors(tmp_path):
         GRPOTrainer(toy_tree_config(tmp_path, **{"data.group_size": 8}))
     with pytest.raises(ValueError, match=r"set data.group_size=4$"):
         GRPOTrainer(toy_tree_config(tmp_path, **{"data.group_size": 2}))
-    with pytest.raises(ValueError, match=r"num_rollout_batches=4 makes rollout chunks of 2 samples, which splits a tree"):
+    with pytest.raises(
+        ValueError, match=r"num_rollout_batches=4 makes rollout chunks of 2 samples, which splits a tree"
+    ):
         GRPOTrainer(toy_tree_config(tmp_path, **{"train.num_rollout_batches": 4, "train.num_minibatches": 4}))
     one_chunk = {"train.num_rollout_batches": 1, "train.num_minibatches": 1}  # one tree per process
     sharded = toy_tree_config(tmp_path, **{"train.tree.width_pruning": "per_branch", **one_chunk})
-    with pytest.raises(ValueError, match=r"width_pruning='per_branch' prunes each process's edges .* set it to 'none'$"):
+    with pytest.raises(
+        ValueError, match=r"width_pruning='per_branch' prunes each process's edges .* set it to 'none'$"
+    ):
         GRPOTrainer(sharded, accelerator=FSDP2Processes())
 
 
@@ -287,7 +296,9 @@ def test_on_policy_ratio_of_every_edge_is_exactly_one(tmp_path, precision, rowwi
     original = trainer._optimise
 
     def optimise(rollout, advantages, keep, *rest):
-        seen["credit"] = transition_advantages(rollout, advantages, keep, trainer.parts.cfg.train.tree, trainer.parts.step, 2)
+        seen["credit"] = transition_advantages(
+            rollout, advantages, keep, trainer.parts.cfg.train.tree, trainer.parts.step, 2
+        )
         return original(rollout, advantages, keep, *rest)
 
     trainer._optimise = optimise
@@ -313,7 +324,8 @@ def test_a_grpo_step_on_tree_edges_moves_the_weights_and_resumes_identically(tmp
     GRPOTrainer(toy_tree_config(tmp_path / "b", **{"train.learning_rate": 1e-2, "num_steps": 1})).train()
     resumed = GRPOTrainer(
         toy_tree_config(
-            tmp_path / "b", **{"train.learning_rate": 1e-2, "checkpoint.resume": "latest", "checkpoint.every_n_steps": 1}
+            tmp_path / "b",
+            **{"train.learning_rate": 1e-2, "checkpoint.resume": "latest", "checkpoint.every_n_steps": 1},
         )
     )
     resumed.train()

@@ -68,15 +68,20 @@ def _run_rewards(args: argparse.Namespace) -> int:
     for r in rows:
         extras = ",".join(r["extra_requires"]) or "-"
         state = "yes" if r["installed"] else "no (missing " + ",".join(r["missing"]) + ")"
-        print(f"{r['name']:<24} {','.join(r['modalities']):<12} {'yes' if r['differentiable'] else 'no':<5} {extras:<28} {state}")
+        modalities, differentiable = ",".join(r["modalities"]), "yes" if r["differentiable"] else "no"
+        print(f"{r['name']:<24} {modalities:<12} {differentiable:<5} {extras:<28} {state}")
     return 0
 
 
 def _add_score(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("score", help="score image or video files with one reward (check a reward before training on it)")
+    p = sub.add_parser(
+        "score", help="score image or video files with one reward (check a reward before training on it)"
+    )
     p.add_argument("--reward", required=True, help="registered name or dotted path")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="reward config, e.g. --set checkpoint=/path")
-    p.add_argument("--prompt", action="append", required=True, help="one prompt for all files, or one per file (repeat)")
+    p.add_argument(
+        "--prompt", action="append", required=True, help="one prompt for all files, or one per file (repeat)"
+    )
     p.add_argument("files", nargs="+", help="PNG/JPEG images; GIF/MP4 or folders of frames for video rewards")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--device", default=None)
@@ -95,10 +100,14 @@ def _run_score(args: argparse.Namespace) -> int:
 
     prompts = args.prompt * len(args.files) if len(args.prompt) == 1 else args.prompt
     if len(prompts) != len(args.files):
-        raise ValueError(f"--prompt given {len(args.prompt)} times for {len(args.files)} files; give one prompt, or one per file")
+        raise ValueError(
+            f"--prompt given {len(args.prompt)} times for {len(args.files)} files; give one prompt, or one per file"
+        )
     # the files are read before the reward loads its weights, so a bad file fails at once
     modalities = REWARDS.get(args.reward).modalities
-    video = "image" not in modalities or all(f.lower().endswith(media.VIDEO_SUFFIXES) or os.path.isdir(f) for f in args.files)
+    video = "image" not in modalities or all(
+        f.lower().endswith(media.VIDEO_SUFFIXES) or os.path.isdir(f) for f in args.files
+    )
     if video and "video" not in modalities:
         raise ValueError(
             f"file {args.files[0]!r} is a video or a folder of frames, but reward {args.reward!r} scores "
@@ -109,14 +118,18 @@ def _run_score(args: argparse.Namespace) -> int:
     try:
         with torch.no_grad():
             out = score_checked(reward, images, prompts, [{} for _ in prompts])
-    except (RuntimeError, ConnectionError) as err:  # a failing reward, named with the sample index; an unreachable remote
+    except (
+        RuntimeError,
+        ConnectionError,
+    ) as err:  # a failing reward, named with the sample index; an unreachable remote
         print(f"flowrl score: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     scores = nan_to_none(out.scores.cpu().tolist())
     if args.json:
         parts = {k: nan_to_none(v.float().cpu().tolist()) for k, v in out.parts.items()}
         rows = [
-            {"file": f, "score": s, **{k: v[i] for k, v in parts.items()}} for i, (f, s) in enumerate(zip(args.files, scores))
+            {"file": f, "score": s, **{k: v[i] for k, v in parts.items()}}
+            for i, (f, s) in enumerate(zip(args.files, scores))
         ]
         print(json.dumps(rows, indent=2))
     else:
@@ -128,7 +141,8 @@ def _run_score(args: argparse.Namespace) -> int:
 def _add_serve_reward(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve-reward",
-        help="serve registered rewards over HTTP for the `remote` reward (Ray Serve replicas with batching across requests)",
+        help="serve registered rewards over HTTP for the `remote` reward "
+        "(Ray Serve replicas with batching across requests)",
     )
     p.add_argument("name", nargs="?", help="the reward to serve (registered name or dotted path)")
     p.add_argument("--reward", action="append", default=[], metavar="NAME", help="serve this reward too (repeatable)")
@@ -136,9 +150,12 @@ def _add_serve_reward(sub: argparse._SubParsersAction) -> None:
         "--set",
         action="append",
         metavar="[NAME:]KEY=VALUE",
-        help="reward config, e.g. --set checkpoint=/path; NAME: prefixes a setting of one reward when several are served",
+        help="reward config, e.g. --set checkpoint=/path; "
+        "NAME: prefixes a setting of one reward when several are served",
     )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only; any other needs --token)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="bind address (default: localhost only; any other needs --token)"
+    )
     p.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed at start)")
     p.add_argument("--token", default=None, help="require `Authorization: Bearer TOKEN` on every request")
     p.add_argument(
@@ -148,7 +165,9 @@ def _add_serve_reward(sub: argparse._SubParsersAction) -> None:
         help="ray: Ray Serve replicas (flowrl[serve]); local: this process, one request at a time",
     )
     p.add_argument("--replicas", type=int, default=1, help="replicas per reward (ray)")
-    p.add_argument("--gpus-per-replica", type=float, default=None, help="GPUs per replica (ray; default 1 where CUDA is, else 0)")
+    p.add_argument(
+        "--gpus-per-replica", type=float, default=None, help="GPUs per replica (ray; default 1 where CUDA is, else 0)"
+    )
     p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs per replica (ray; fractions share a core)")
     p.add_argument("--max-batch-size", type=int, default=16, help="images per forward, gathered across requests (ray)")
     p.add_argument("--batch-wait-ms", type=float, default=10.0, help="longest wait for a batch to fill (ray)")
@@ -157,9 +176,12 @@ def _add_serve_reward(sub: argparse._SubParsersAction) -> None:
         "--request-timeout",
         type=float,
         default=30.0,
-        help="seconds a request's header, and then its body, may take to arrive (else 408; an idle connection is closed)",
+        help="seconds a request's header, and then its body, may take to arrive "
+        "(else 408; an idle connection is closed)",
     )
-    p.add_argument("--max-connections", type=int, default=128, help="connections served at once, a thread each; more get 503")
+    p.add_argument(
+        "--max-connections", type=int, default=128, help="connections served at once, a thread each; more get 503"
+    )
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
@@ -174,7 +196,9 @@ def _serve_settings(names: list[str], pairs: list[str] | None) -> dict[str, dict
             raise ValueError(f"--set {pair}: {prefix[0]!r} is not a served reward; serve it with --reward {prefix[0]}")
     own = lambda name, pair: pair.split(":", 1)[1] if pair.startswith(f"{name}:") else pair  # noqa: E731
     mine = lambda name, pair: pair.startswith(f"{name}:") or ":" not in pair.split("=", 1)[0]  # noqa: E731
-    return {name: check_settings(name, _parse_sets([own(name, p) for p in pairs or [] if mine(name, p)])) for name in names}
+    return {
+        name: check_settings(name, _parse_sets([own(name, p) for p in pairs or [] if mine(name, p)])) for name in names
+    }
 
 
 def _run_serve_reward(args: argparse.Namespace) -> int:
@@ -182,22 +206,26 @@ def _run_serve_reward(args: argparse.Namespace) -> int:
 
     import torch
 
-    from flowrl.rewards._server import LOOPBACK, LocalBackend, check_limits, make_server
+    from flowrl.serving.server import LOOPBACK, LocalBackend, check_limits, make_server
 
     names = list(dict.fromkeys(([args.name] if args.name else []) + args.reward))
     if not names:
         raise ValueError("serve-reward: name a reward, e.g. `flowrl serve-reward pickscore` (more with --reward NAME)")
     if args.host not in LOOPBACK and not args.token:
-        raise ValueError(f"--host {args.host} is reachable from other machines; pass --token TOKEN (or bind to 127.0.0.1)")
+        raise ValueError(
+            f"--host {args.host} is reachable from other machines; pass --token TOKEN (or bind to 127.0.0.1)"
+        )
     check_limits(args.request_timeout, args.max_connections)  # before any reward or replica is built
     settings = _serve_settings(names, args.set)
     if args.engine == "local":
         backend = LocalBackend({n: _build_reward(n, None, args.device, args.dtype, settings[n]) for n in names})
     else:
         try:
-            from flowrl.rewards._ray_serve import RayBackend
+            from flowrl.serving.ray_serve import RayBackend
         except ImportError:
-            raise ValueError("--engine ray needs Ray Serve: pip install 'flowrl[serve]' (or pass --engine local)") from None
+            raise ValueError(
+                "--engine ray needs Ray Serve: pip install 'flowrl[serve]' (or pass --engine local)"
+            ) from None
         gpus = args.gpus_per_replica if args.gpus_per_replica is not None else float(torch.cuda.is_available())
         try:
             backend = RayBackend(
@@ -215,7 +243,9 @@ def _run_serve_reward(args: argparse.Namespace) -> int:
             return 1
     try:
         limits = {"request_timeout": args.request_timeout, "max_connections": args.max_connections}
-        server = make_server(backend, args.host, args.port, args.token, max_body_bytes=int(args.max_body_mb * 2**20), **limits)
+        server = make_server(
+            backend, args.host, args.port, args.token, max_body_bytes=int(args.max_body_mb * 2**20), **limits
+        )
     except BaseException:
         backend.close()
         raise

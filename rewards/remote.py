@@ -1,10 +1,10 @@
 """Client for a reward served by `flowrl serve-reward` on another process or machine.
 
 The batch travels as one safetensors payload: a uint8 tensor "images" [N, 3, H, W] or "videos" [N, F, 3, H, W]
-holding round(x * 255), with the prompts and metadata as JSON in the safetensors header (rewards/_server.py has the
-protocol). The served reward therefore sees values rounded to k/255, exactly what the former 8-bit PNG transport
-gave it. `compression=zlib` deflates the payload (Content-Encoding: deflate) for slow links; the default, none,
-suits loopback and fast networks. `encoding=png` sends base64 PNGs in JSON, for servers older than this protocol.
+holding round(x * 255), with the prompts and metadata as JSON in the safetensors header (flowrl/serving/server.py
+has the protocol). The served reward therefore sees values rounded to k/255, exactly what the former 8-bit PNG
+transport gave it. `compression=zlib` deflates the payload (Content-Encoding: deflate) for slow links; the default,
+none, suits loopback and fast networks. `encoding=png` sends base64 PNGs in JSON, for servers older than this protocol.
 
 Each batch carries a fresh `X-Request-Id`, the same on every retry of it, so a server still scoring a batch when the
 client timed out answers the retry from that computation instead of scoring it twice. `reward` names one reward of
@@ -39,7 +39,8 @@ ENCODINGS, COMPRESSIONS = ("safetensors", "png"), ("none", "zlib")
 
 
 class RemoteRewardError(ConnectionError):
-    """The remote reward could not be reached or answered wrongly (raised as is by score_checked: no per-sample retry)."""
+    """The remote reward could not be reached or answered wrongly (raised as is by score_checked: no per-sample
+    retry)."""
 
 
 def encode_batch(
@@ -89,7 +90,9 @@ class RemoteReward:
                 f"remote: url={url!r} is not an http(s) URL; pass the server's address, e.g. url=http://127.0.0.1:8765"
             )
         if int(max_retries) < 0 or float(timeout_s) <= 0:
-            raise ValueError(f"remote: max_retries={max_retries}, timeout_s={timeout_s}; use max_retries >= 0 and timeout_s > 0")
+            raise ValueError(
+                f"remote: max_retries={max_retries}, timeout_s={timeout_s}; use max_retries >= 0 and timeout_s > 0"
+            )
         if encoding not in ENCODINGS or compression not in COMPRESSIONS:
             raise ValueError(
                 f"remote: encoding={encoding!r}, compression={compression!r}; "
@@ -136,12 +139,15 @@ class RemoteReward:
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         check_inputs("remote", images, prompts, metadata, modality="video" if images.dim() == 5 else "image")
-        answer = self._request(self.score_path, *encode_batch(images, prompts, metadata, self.encoding, self.compression))
+        answer = self._request(
+            self.score_path, *encode_batch(images, prompts, metadata, self.encoding, self.compression)
+        )
         scores = answer.get("scores") if isinstance(answer, dict) else None
         numbers = isinstance(scores, list) and all(s is None or isinstance(s, (int, float)) for s in scores)
         if not numbers or len(scores) != len(prompts):
             raise RemoteRewardError(
-                f"remote {self.url}: malformed response, expected 'scores' with {len(prompts)} numbers, got {str(answer)[:80]}"
+                f"remote {self.url}: malformed response, expected 'scores' with {len(prompts)} numbers, "
+                f"got {str(answer)[:80]}"
             )
 
         def as_tensor(values: list) -> torch.Tensor:
@@ -149,7 +155,9 @@ class RemoteReward:
             return torch.tensor(numbers, dtype=torch.float32, device=self.device)
 
         parts = {
-            k: as_tensor(v) for k, v in (answer.get("parts") or {}).items() if isinstance(v, list) and len(v) == len(prompts)
+            k: as_tensor(v)
+            for k, v in (answer.get("parts") or {}).items()
+            if isinstance(v, list) and len(v) == len(prompts)
         }
         return RewardOutput(scores=as_tensor(scores), parts=parts)  # [N]
 

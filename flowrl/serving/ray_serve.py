@@ -5,7 +5,7 @@ A request's bytes go to a replica as they came; the replica decodes them and han
 (`serve.batch`), which gathers samples across concurrent requests into one forward of up to `max_batch_size` images,
 waiting at most `batch_wait_ms` for it to fill. Samples of one shape are stacked; a forward that fails is retried
 sample by sample, so one client's bad sample fails only its own request. The HTTP front (auth, size limits, request
-ids: rewards/_server.py) runs in the driver and calls the replicas through Serve's handles, with Serve's own HTTP
+ids: flowrl/serving/server.py) runs in the driver and calls the replicas through Serve's handles, with Serve's own HTTP
 proxy off. A replica that dies mid-request (its actor killed, its node lost) costs that attempt only: the call is
 sent again, `retries` times, to a live replica, and if none answers the client gets a 503 it retries.
 """
@@ -24,8 +24,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from flowrl.registry import REWARDS
-
-from ._server import MAX_DECODED_BYTES, Answer, Stats, decode_answer, score_answer
+from flowrl.serving.server import MAX_DECODED_BYTES, Answer, Stats, decode_answer, score_answer
 
 APP_PREFIX = "flowrl-reward-"
 
@@ -56,7 +55,9 @@ class RewardReplica:
         if isinstance(decoded[0], int):
             return decoded
         images, prompts, metadata = decoded
-        answers = await asyncio.gather(*(self._score_samples((images[i], prompts[i], metadata[i])) for i in range(len(prompts))))
+        answers = await asyncio.gather(
+            *(self._score_samples((images[i], prompts[i], metadata[i])) for i in range(len(prompts)))
+        )
         failed = next((answer for answer in answers if answer[0] != 200), None)
         if failed is not None:
             return failed
@@ -139,10 +140,12 @@ class RayBackend:
         self.owns_cluster = not os.environ.get("RAY_ADDRESS")
         settings = {"logging_level": "ERROR", "log_to_driver": False}
         if self.owns_cluster:
-            settings.update(include_dashboard=False, _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0})
+            settings.update(
+                include_dashboard=False, _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0}
+            )
         ray.init(**{**settings, **(ray_init or {})})
         try:
-            serve.start(proxy_location="Disabled")  # the front in rewards/_server.py is the HTTP endpoint
+            serve.start(proxy_location="Disabled")  # the front in flowrl/serving/server.py is the HTTP endpoint
             targets = []
             for name, settings in rewards.items():
                 deployment = serve.deployment(RewardReplica).options(
@@ -151,13 +154,17 @@ class RayBackend:
                     ray_actor_options={"num_cpus": float(cpus_per_replica), "num_gpus": float(gpus_per_replica)},
                     max_ongoing_requests=256,  # requests wait inside the replica, in its batch queue
                 )
-                app = deployment.bind(name, settings, device, dtype, int(max_batch_size), batch_wait_ms / 1000, max_decoded_bytes)
+                app = deployment.bind(
+                    name, settings, device, dtype, int(max_batch_size), batch_wait_ms / 1000, max_decoded_bytes
+                )
                 quiet = {"log_level": "WARNING", "enable_access_log": False}
                 targets.append(serve.RunTarget(app, name=APP_PREFIX + name, route_prefix=None, logging_config=quiet))
             handles = serve.run_many(targets)
         except Exception as err:
             self.close()
-            raise RuntimeError(f"serve-reward: the replicas did not start: {' '.join(str(err).split())[-600:]}") from None
+            raise RuntimeError(
+                f"serve-reward: the replicas did not start: {' '.join(str(err).split())[-600:]}"
+            ) from None
         self.handles = dict(zip(self.names, handles))
         self.address = ray.get_runtime_context().gcs_address
 
@@ -171,7 +178,9 @@ class RayBackend:
                 self.stats.count("replica_retries")
             try:
                 return tuple(
-                    self.handles[name].score.remote(raw, content_type, content_encoding).result(timeout_s=self.timeout_s)
+                    self.handles[name]
+                    .score.remote(raw, content_type, content_encoding)
+                    .result(timeout_s=self.timeout_s)
                 )
             except RayActorError as err:  # the replica died or is unreachable: another one takes the request
                 last = err

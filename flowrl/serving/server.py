@@ -1,8 +1,9 @@
 """The HTTP front of `flowrl serve-reward`: serves registered rewards to `remote` clients, scoring them in this
-process (`LocalBackend`) or on Ray Serve replicas (rewards/_ray_serve.py).
+process (`LocalBackend`) or on Ray Serve replicas (flowrl/serving/ray_serve.py).
 
 Protocol (HTTP/1.1; every request carries `Authorization: Bearer TOKEN` when the server has a token):
-  GET  /health -> 200 {"status": "ok", "rewards": {NAME: {"modalities": [...], "differentiable": false}}, "stats": {...}}
+  GET  /health -> 200 {"status": "ok", "rewards": {NAME: {"modalities": [...], "differentiable": false}},
+                      "stats": {...}}
                (one reward served: also "reward", "modalities", "differentiable" at the top level)
   POST /score/NAME (or /score when one reward is served)
                Content-Type: application/x-safetensors, optional Content-Encoding: deflate (a zlib stream).
@@ -83,7 +84,9 @@ def decode_request(
         return _decode_safetensors(raw)
     if content_type == "application/json":
         return _decode_json(raw)
-    raise ValueError(f"Content-Type {content_type!r} is not supported; send {SAFETENSORS} (or application/json with base64 PNGs)")
+    raise ValueError(
+        f"Content-Type {content_type!r} is not supported; send {SAFETENSORS} (or application/json with base64 PNGs)"
+    )
 
 
 def _inflate(raw: bytes, max_bytes: int) -> bytes:
@@ -112,11 +115,15 @@ def _decode_safetensors(raw: bytes) -> Batch:
         raise ValueError(f"the body is not a valid safetensors file: {type(err).__name__}: {err}") from None
     names = sorted(set(tensors) & {"images", "videos"})
     if len(names) != 1 or len(tensors) != 1:
-        raise ValueError(f"the safetensors body holds tensors {sorted(tensors)}; send exactly one, 'images' or 'videos'")
+        raise ValueError(
+            f"the safetensors body holds tensors {sorted(tensors)}; send exactly one, 'images' or 'videos'"
+        )
     pixels = tensors[names[0]]
     want = 4 if names[0] == "images" else 5
     if pixels.dtype != torch.uint8 or pixels.dim() != want:
-        raise ValueError(f"tensor {names[0]!r} is {pixels.dtype} of shape {tuple(pixels.shape)}; send uint8 of {want} dims")
+        raise ValueError(
+            f"tensor {names[0]!r} is {pixels.dtype} of shape {tuple(pixels.shape)}; send uint8 of {want} dims"
+        )
     try:
         prompts = json.loads(info["prompts"])
         metadata = json.loads(info.get("metadata") or "null")
@@ -149,7 +156,8 @@ def _check_texts(prompts: Any, metadata: Any, num: int) -> tuple[list[str], list
         raise ValueError("'metadata' must be a list of objects, one per sample")
     if not len(prompts) == len(metadata) == num:
         raise ValueError(
-            f"{len(prompts)} prompts and {len(metadata)} metadata entries for {num} samples; send one of each per sample"
+            f"{len(prompts)} prompts and {len(metadata)} metadata entries for {num} samples; "
+            "send one of each per sample"
         )
     return prompts, metadata
 
@@ -157,7 +165,9 @@ def _check_texts(prompts: Any, metadata: Any, num: int) -> tuple[list[str], list
 Answer = tuple[int, dict[str, Any]]  # (HTTP status, JSON payload)
 
 
-def score_answer(name: str, reward: Any, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> Answer:
+def score_answer(
+    name: str, reward: Any, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]
+) -> Answer:
     """Score one decoded batch in this process: (200, {"scores", "parts"}) or (400 / 500, {"error": one line})."""
     try:
         with torch.no_grad():
@@ -250,7 +260,10 @@ class Results:
             if entry.digest != digest:
                 return (409, {"error": f"{named} was used for a different body; send a fresh id per batch"}), False
             if not entry.done.wait(self.wait_s):
-                return (503, {"error": f"{named} is still being scored after {self.wait_s:g}s; retry with the same id"}), False
+                return (
+                    503,
+                    {"error": f"{named} is still being scored after {self.wait_s:g}s; retry with the same id"},
+                ), False
             return entry.answer, True
         try:
             entry.answer = compute()
@@ -311,7 +324,12 @@ class RewardServer(ThreadingHTTPServer):
     request_queue_size = socket.SOMAXCONN  # connections not yet accepted (socketserver's 5 drops a burst's SYNs)
 
     def __init__(
-        self, address, handler, backend: Backend, max_connections: int = MAX_CONNECTIONS, linger_s: float = REQUEST_TIMEOUT_S
+        self,
+        address,
+        handler,
+        backend: Backend,
+        max_connections: int = MAX_CONNECTIONS,
+        linger_s: float = REQUEST_TIMEOUT_S,
     ):
         self.backend, self.stats, self.max_connections, self.linger_s = backend, Stats(), max_connections, linger_s
         self.slots = threading.BoundedSemaphore(max_connections)
@@ -489,7 +507,10 @@ def make_server(
                 return self._send(408, {"error": f"{error}; send all {length} bytes the Content-Length declares"}, True)
             if len(raw) < length:
                 self.server.stats.count("truncated")
-                error = f"reward {name}: the body ended after {len(raw)} of its {length} bytes (Content-Length); send it whole"
+                error = (
+                    f"reward {name}: the body ended after {len(raw)} of its {length} bytes (Content-Length); "
+                    "send it whole"
+                )
                 return self._send(400, {"error": error}, True)
             return raw
 
@@ -507,7 +528,10 @@ def make_server(
                 return self._send(400, {"error": _line(error)}, True)
             if int(length) > max_body_bytes:
                 self.server.stats.count("too_large")
-                error = f"reward {name}: the body ({length} bytes) is over the limit of {max_body_bytes}; send smaller batches"
+                error = (
+                    f"reward {name}: the body ({length} bytes) is over the limit of {max_body_bytes}; "
+                    "send smaller batches"
+                )
                 return self._send(413, {"error": error}, True)
             raw = self._body(name, int(length))
             if raw is None:

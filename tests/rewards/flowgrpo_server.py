@@ -16,7 +16,10 @@ from PIL import Image
 
 
 def score_jpegs(jpegs: list[bytes], meta_datas: list[dict]) -> np.ndarray:
-    means = [np.asarray(Image.open(io.BytesIO(j), formats=["jpeg"]).convert("RGB"), dtype=np.float64).mean() / 255 for j in jpegs]
+    means = [
+        np.asarray(Image.open(io.BytesIO(j), formats=["jpeg"]).convert("RGB"), dtype=np.float64).mean() / 255
+        for j in jpegs
+    ]
     return np.array([m + (1.0 if meta.get("bonus") else 0.0) for m, meta in zip(means, meta_datas)])
 
 
@@ -32,7 +35,10 @@ class Handler(BaseHTTPRequestHandler):
             if self.server.answer is not None:
                 answer = self.server.answer
             else:
-                answer = {"scores": score_jpegs(data["images"], data["meta_datas"]), "rewards": [0.0] * len(data["images"])}
+                answer = {
+                    "scores": score_jpegs(data["images"], data["meta_datas"]),
+                    "rewards": [0.0] * len(data["images"]),
+                }
             out, code = pickle.dumps(answer), 200
         except Exception:
             out, code = traceback.format_exc().encode(), 500

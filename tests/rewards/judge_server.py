@@ -52,7 +52,11 @@ class Handler(BaseHTTPRequestHandler):
             parts = body["messages"][0]["content"]
             url = next(p["image_url"]["url"] for p in parts if p["type"] == "image_url")
             value = rule(base64.b64decode(url.split(",", 1)[1]))
-            text = f"The image is fine. Final Score: {value * 5:.6f}" if server.reply == "unifiedreward" else f"{value * 10:.6f}"
+            text = (
+                f"The image is fine. Final Score: {value * 5:.6f}"
+                if server.reply == "unifiedreward"
+                else f"{value * 10:.6f}"
+            )
             if server.reply == "nonsense":
                 text = "I cannot rate this image."
             self._send(200, {"choices": [{"message": {"role": "assistant", "content": text}}]})

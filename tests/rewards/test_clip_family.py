@@ -99,7 +99,10 @@ def test_aesthetic_linear_head_and_missing_weights(tmp_path):
     reward = REWARDS.build("aesthetic", model_name=folder, pretrained=None, checkpoint=str(tmp_path / "linear.pth"))
     image, _ = _open_clip_reference(folder, _images(), PROMPTS)
     torch.testing.assert_close(
-        reward(_images(), PROMPTS, [{}, {}]).scores, (image @ head["weight"].T + head["bias"]).squeeze(-1), atol=1e-5, rtol=1e-5
+        reward(_images(), PROMPTS, [{}, {}]).scores,
+        (image @ head["weight"].T + head["bias"]).squeeze(-1),
+        atol=1e-5,
+        rtol=1e-5,
     )
     with pytest.raises(FileNotFoundError, match="sac\\+logos\\+ava1-l14-linearMSE.pth"):
         REWARDS.build("aesthetic", model_name=folder, pretrained=None, checkpoint=str(tmp_path / "missing.pth"))

@@ -21,7 +21,9 @@ def _build(name: str, tiny_reward_kwargs):
             return REWARDS.build(name, device="cpu", dtype=torch.float32)
         except FileNotFoundError as err:  # the toy judges' weights are tracked in git: missing is a bug
             pytest.fail(f"{name}: shipped weights missing: {err}")
-    pytest.fail(f"reward {name!r} has no tiny-checkpoint factory; add one to tests/rewards/conftest.py REWARD_FACTORIES")
+    pytest.fail(
+        f"reward {name!r} has no tiny-checkpoint factory; add one to tests/rewards/conftest.py REWARD_FACTORIES"
+    )
 
 
 def _inputs(reward, n: int = 3) -> torch.Tensor:
@@ -58,7 +60,9 @@ def _check_contract(reward, name: str, tmp_path) -> None:
     assert not torch.isinf(out.scores).any()
     assert not out.scores.requires_grad, "scores carry a graph although the images do not require grad"
     again = reward(images, prompts, metadata).scores
-    assert torch.equal(torch.nan_to_num(again, nan=-123.0), torch.nan_to_num(out.scores, nan=-123.0)), "not deterministic"
+    assert torch.equal(torch.nan_to_num(again, nan=-123.0), torch.nan_to_num(out.scores, nan=-123.0)), (
+        "not deterministic"
+    )
 
     if reward.differentiable:
         leaf = images.clone().requires_grad_(True)

@@ -46,5 +46,7 @@ def test_a_sample_without_references_is_not_applicable(tmp_path):
     kwargs.pop("references")
     reward = REWARDS.build("dino_similarity", **kwargs)
     images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    scores = reward(images, ["a", "b"], [{}, {"reference": media.save_image(images[1], str(tmp_path / "r.png"))}]).scores
+    scores = reward(
+        images, ["a", "b"], [{}, {"reference": media.save_image(images[1], str(tmp_path / "r.png"))}]
+    ).scores
     assert math.isnan(scores[0]) and 0.99 < scores[1] <= 1.0 + 1e-6  # the image against (its PNG copy of) itself

@@ -16,7 +16,8 @@ from flowrl.rewards import _hpsv3_format as fmt
 from flowrl.rewards._tiny import tiny_hpsv3
 
 PROMPTS = ["a red cube on a table", 'a sign that says "hello", in a much longer prompt than the others', "a cat"]
-# sha256 of hpsv3 1.0.0's INSTRUCTION.format(text_prompt="<P>") + prompt_with_special_token (dataset/data_collator_qwen.py)
+# sha256 of hpsv3 1.0.0's INSTRUCTION.format(text_prompt="<P>") + prompt_with_special_token
+# (dataset/data_collator_qwen.py)
 RELEASE_TEXT_SHA256 = "c85e3188dd3d6be9578e752d7fc4e8990b56298396c5f12bed66970dd8530449"
 
 
@@ -112,13 +113,21 @@ def test_a_checkpoint_saved_by_transformers_5_scores_the_same(tiny, tmp_path):
     _, kwargs = tiny
     state = load_file(kwargs["checkpoint"])
     renamed = {
-        ("model.language_model." + k[6:] if k.startswith("model.") else "model." + k if k.startswith("visual.") else k): v
+        (
+            "model.language_model." + k[6:]
+            if k.startswith("model.")
+            else "model." + k
+            if k.startswith("visual.")
+            else k
+        ): v
         for k, v in state.items()
     }
     save_file(renamed, str(tmp_path / "v5.safetensors"))
     images = _images(2, 40, 36)
     expected = REWARDS.build("hpsv3", **kwargs)(images, PROMPTS[:2], [{}, {}]).scores
-    got = REWARDS.build("hpsv3", **dict(kwargs, checkpoint=str(tmp_path / "v5.safetensors")))(images, PROMPTS[:2], [{}, {}])
+    got = REWARDS.build("hpsv3", **dict(kwargs, checkpoint=str(tmp_path / "v5.safetensors")))(
+        images, PROMPTS[:2], [{}, {}]
+    )
     torch.testing.assert_close(got.scores, expected, atol=0, rtol=0)
 
 
@@ -126,13 +135,17 @@ def test_a_checkpoint_saved_by_transformers_5_scores_the_same(tiny, tmp_path):
     "change, message",
     [
         (
-            lambda s: s.update({"rm_head.5.weight": s["rm_head.5.weight"][:1], "rm_head.5.bias": s["rm_head.5.bias"][:1]}),
-            r"checkpoint rm_head\.5\.weight has shape \(1, 16\), not \(2, 16\) \(HPSv3's \(mu, log sigma\) ranknet head\); "
+            lambda s: s.update(
+                {"rm_head.5.weight": s["rm_head.5.weight"][:1], "rm_head.5.bias": s["rm_head.5.bias"][:1]}
+            ),
+            r"checkpoint rm_head\.5\.weight has shape \(1, 16\), not \(2, 16\) "
+            r"\(HPSv3's \(mu, log sigma\) ranknet head\); "
             r"pass the full reward checkpoint, HPSv3\.safetensors from https://huggingface\.co/MizzenAI/HPSv3",
         ),
         (
             lambda s: [s.pop(k) for k in list(s) if k.startswith("rm_head.")],
-            r"has no rm_head\.0\.weight \(the ranknet reward head\); pass the full reward checkpoint, HPSv3\.safetensors",
+            r"has no rm_head\.0\.weight \(the ranknet reward head\); "
+            r"pass the full reward checkpoint, HPSv3\.safetensors",
         ),
         (
             lambda s: s.pop("model.layers.1.mlp.up_proj.weight"),

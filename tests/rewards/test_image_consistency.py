@@ -15,7 +15,9 @@ def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("image_consistency")
     kwargs = TINY_REWARDS["image_consistency"](folder)
     generator = torch.Generator().manual_seed(0)
-    sources = [media.save_image(torch.rand(3, 32, 32, generator=generator), str(folder / f"s{i}.png")) for i in range(2)]
+    sources = [
+        media.save_image(torch.rand(3, 32, 32, generator=generator), str(folder / f"s{i}.png")) for i in range(2)
+    ]
     clip = open_clip.create_model(f"local-dir:{kwargs['model_name']}").eval()  # a copy of the reward's weights
     return kwargs, sources, clip
 

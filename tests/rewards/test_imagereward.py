@@ -53,7 +53,11 @@ def reference_score(s, med, pixels, input_ids, attention_mask):
     for i in range(med["num_hidden_layers"]):
         b = f"{t}.encoder.layer.{i}"
         a = _attend(
-            lin(h, f"{b}.attention.self.query"), lin(h, f"{b}.attention.self.key"), lin(h, f"{b}.attention.self.value"), n, pad
+            lin(h, f"{b}.attention.self.query"),
+            lin(h, f"{b}.attention.self.key"),
+            lin(h, f"{b}.attention.self.value"),
+            n,
+            pad,
         )
         h = ln(lin(a, f"{b}.attention.output.dense") + h, f"{b}.attention.output.LayerNorm", eps)
         c = _attend(
@@ -90,7 +94,9 @@ def test_imagereward_matches_independent_forward(tmp_path):
             transforms.Normalize((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
         ]
     )
-    pixels = torch.stack([package_transform(Image.fromarray((x * 255).round().byte().permute(1, 2, 0).numpy())) for x in images])
+    pixels = torch.stack(
+        [package_transform(Image.fromarray((x * 255).round().byte().permute(1, 2, 0).numpy())) for x in images]
+    )
     tokenizer = BertTokenizer.from_pretrained(files["tokenizer"])
     tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
     tokens = tokenizer(prompts, padding="max_length", truncation=True, max_length=35, return_tensors="pt")

@@ -30,7 +30,9 @@ def test_scores_are_the_judges_parsed_and_scaled_and_the_request_is_the_openai_f
     expected = [rule(png) for png in encode_pngs(batch)]  # the endpoint's rule, on the PNGs encoded here
     assert scores.dtype == torch.float32 and scores.tolist() == pytest.approx(expected, abs=1e-5)
     first = next(r for r in server.requests if "a red fox" in r["body"]["messages"][0]["content"][1]["text"])
-    assert first["auth"] == "Bearer k3y" and first["body"]["model"] == "judge-7b" and first["body"]["temperature"] == 0.0
+    assert (
+        first["auth"] == "Bearer k3y" and first["body"]["model"] == "judge-7b" and first["body"]["temperature"] == 0.0
+    )
     image_part = first["body"]["messages"][0]["content"][0]
     assert image_part["image_url"]["url"].startswith("data:image/png;base64,")
     assert base64.b64decode(image_part["image_url"]["url"].split(",", 1)[1]) == encode_pngs(batch[:1])[0]

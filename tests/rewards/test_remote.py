@@ -21,8 +21,8 @@ from tiny_checkpoints import tiny_open_clip
 
 from flowrl.media import to_uint8
 from flowrl.registry import REWARDS
-from flowrl.rewards._server import make_server
 from flowrl.rewards.remote import RemoteRewardError, encode_batch
+from flowrl.serving.server import make_server
 from flowrl.types import RewardOutput
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle"]
@@ -186,7 +186,9 @@ def test_server_rejects_bad_batch_as_value_error():
     try:
         remote = REWARDS.build("remote", url=f"http://127.0.0.1:{server.server_address[1]}", max_retries=0)
         videos = torch.rand(2, 3, 3, 16, 16)  # an image reward served, videos sent
-        with pytest.raises(ValueError, match=r"server rejected the batch \(HTTP 400\): jpeg_compressibility: images shape"):
+        with pytest.raises(
+            ValueError, match=r"server rejected the batch \(HTTP 400\): jpeg_compressibility: images shape"
+        ):
             remote(videos, PROMPTS[:2], [{}] * 2)
     finally:
         server.shutdown()
@@ -222,7 +224,10 @@ def test_wire_formats_deliver_the_same_uint8_values(recorder_url, shape):
     recorder, url = recorder_url
     images = torch.rand(shape, generator=torch.Generator().manual_seed(1))  # arbitrary floats, not k/255
     images[0, ..., 0, 0] = torch.tensor([0.0, 1.0, 0.5 / 255])  # the ends and a rounding tie
-    prompts, metadata = ["ünïcode «prompt»", "two", "three"][: shape[0]], [{"tag": [1, None]}, {}, {"k": "v"}][: shape[0]]
+    prompts, metadata = (
+        ["ünïcode «prompt»", "two", "three"][: shape[0]],
+        [{"tag": [1, None]}, {}, {"k": "v"}][: shape[0]],
+    )
     want = to_uint8(images).float() / 255  # round(x * 255) / 255: what the PNG transport always delivered
     for kwargs in ({}, {"compression": "zlib"}, {"encoding": "png"}):
         out = REWARDS.build("remote", url=url, token="t0k", max_retries=0, **kwargs)(images, prompts, metadata)
@@ -267,12 +272,24 @@ MALFORMED = {
     "float pixels": ({}, _safetensors({"images": PIXELS.float()}, prompts=["a"]), "send uint8 of 4 dims"),
     "no prompts": ({}, _safetensors({"images": PIXELS}), "needs 'prompts'"),
     "two tensors": ({}, _safetensors({"images": PIXELS, "videos": PIXELS[None].clone()}, prompts=["a"]), "exactly one"),
-    "prompt not text": ({}, _safetensors({"images": PIXELS}, prompts=[3]), "'prompts' must be a non-empty list of strings"),
+    "prompt not text": (
+        {},
+        _safetensors({"images": PIXELS}, prompts=[3]),
+        "'prompts' must be a non-empty list of strings",
+    ),
     "bad deflate": ({"Content-Encoding": "deflate"}, b"\x00\x01 not zlib", "not a deflate"),
     "gzip": ({"Content-Encoding": "gzip"}, _safetensors({"images": PIXELS}, prompts=["a"]), "'gzip' is not supported"),
     "text/plain": ({"Content-Type": "text/plain"}, b"hello", "'text/plain' is not supported"),
-    "wrong count": ({}, _safetensors({"images": PIXELS}, prompts=["a", "b"]), "2 prompts and 2 metadata entries for 1 samples"),
-    "json without pixels": ({"Content-Type": "application/json"}, b'{"prompts": ["a"]}', "neither 'images' nor 'videos'"),
+    "wrong count": (
+        {},
+        _safetensors({"images": PIXELS}, prompts=["a", "b"]),
+        "2 prompts and 2 metadata entries for 1 samples",
+    ),
+    "json without pixels": (
+        {"Content-Type": "application/json"},
+        b'{"prompts": ["a"]}',
+        "neither 'images' nor 'videos'",
+    ),
 }
 
 
@@ -300,7 +317,12 @@ def test_server_errors_surface_in_one_line(status, error):
         with pytest.raises(error) as caught:
             remote(_images(1), PROMPTS[:1], [{}])
         text = str(caught.value)
-        assert "\n" not in text and server.url in text and f"HTTP {status}" in text and "first line second line end" in text
+        assert (
+            "\n" not in text
+            and server.url in text
+            and f"HTTP {status}" in text
+            and "first line second line end" in text
+        )
         assert server.calls == 1  # not retried
     finally:
         server.close()
@@ -332,17 +354,21 @@ def test_a_retry_after_a_timeout_is_answered_from_the_first_computation():
 
 
 def test_a_deflate_body_is_inflated_up_to_the_limit_only():
-    from flowrl.rewards._server import LocalBackend
+    from flowrl.serving.server import LocalBackend
 
     recorder = _Recorder()
-    server = make_server(LocalBackend({"recorder": recorder}, max_decoded_bytes=64 * 1024), port=0, max_body_bytes=10**6)
+    server = make_server(
+        LocalBackend({"recorder": recorder}, max_decoded_bytes=64 * 1024), port=0, max_body_bytes=10**6
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         small = REWARDS.build("remote", url=url, compression="zlib", max_retries=0)
         small(_images(1), PROMPTS[:1], [{}])  # 3 KB inflated: under the limit
         bomb = torch.zeros(8, 3, 64, 64)  # 98 KB of zeros, deflated to ~100 bytes
-        with pytest.raises(ValueError, match=r"HTTP 413\): reward recorder: the deflate body inflates past 65536 bytes"):
+        with pytest.raises(
+            ValueError, match=r"HTTP 413\): reward recorder: the deflate body inflates past 65536 bytes"
+        ):
             small(bomb, ["a"] * 8, [{}] * 8)
         assert len(recorder.calls) == 1
     finally:

@@ -97,7 +97,8 @@ def test_batched_reward_keeps_parts():
         torch.testing.assert_close(chunked.parts[key], whole.parts[key])
     one_by_one = BatchedReward(REWARDS.build("jpeg_compressibility"), 1)
     torch.testing.assert_close(
-        one_by_one(images, prompts, [{}] * 3).scores, REWARDS.build("jpeg_compressibility")(images, prompts, [{}] * 3).scores
+        one_by_one(images, prompts, [{}] * 3).scores,
+        REWARDS.build("jpeg_compressibility")(images, prompts, [{}] * 3).scores,
     )
 
 
@@ -123,7 +124,9 @@ def test_every_reward_takes_the_run_settings(name, tiny_reward_kwargs, tmp_path)
 
 def test_reward_device_cuda_means_this_process_gpu(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(REWARDS.get("jpeg_compressibility"), "__init__", lambda self, device="cpu", **kw: seen.append(device))
+    monkeypatch.setattr(
+        REWARDS.get("jpeg_compressibility"), "__init__", lambda self, device="cpu", **kw: seen.append(device)
+    )
     specs = _config(tmp_path, {"name": "jpeg_compressibility", "device": "cuda"}).rewards
     build_rewards(specs, torch.device("cuda", 3))  # built on rank 3's GPU, not cuda:0
     build_rewards(_config(tmp_path, {"name": "jpeg_compressibility", "device": "cpu"}).rewards, torch.device("cuda", 3))

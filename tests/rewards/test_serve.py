@@ -86,7 +86,14 @@ def service(tmp_path_factory):
 
 
 def _remote(service, reward="toy_attributes", **kwargs):
-    settings = {"url": service["url"], "token": TOKEN, "reward": reward, "timeout_s": 120, "max_retries": 4, "backoff_s": 0.5}
+    settings = {
+        "url": service["url"],
+        "token": TOKEN,
+        "reward": reward,
+        "timeout_s": 120,
+        "max_retries": 4,
+        "backoff_s": 0.5,
+    }
     return REWARDS.build("remote", **{**settings, **kwargs})
 
 
@@ -178,7 +185,13 @@ def test_bad_requests_get_one_line_and_the_service_keeps_serving(service):
             "token",
         ),
         "oversized": ("/score/toy_attributes", {**auth, "Content-Length": str(2 * 2**20)}, b"", 413, "over the limit"),
-        "unknown reward": ("/score/pickscorez", {**auth, "Content-Length": "5"}, b"", 404, "unknown reward 'pickscorez'"),
+        "unknown reward": (
+            "/score/pickscorez",
+            {**auth, "Content-Length": "5"},
+            b"",
+            404,
+            "unknown reward 'pickscorez'",
+        ),
         "which reward": ("/score", {**auth, "Content-Length": "5"}, b"", 404, "several rewards are served"),
         "malformed": (
             "/score/toy_attributes",
@@ -212,7 +225,12 @@ def test_a_retry_with_the_same_request_id_is_not_scored_twice(service):
     images, prompts = _batch(2)
     body, content = encode_batch(images, prompts, [{} for _ in prompts])
     request_id = hashlib.sha256(b"retry-test").hexdigest()
-    headers = {**content, "Authorization": f"Bearer {TOKEN}", "Content-Length": str(len(body)), "X-Request-Id": request_id}
+    headers = {
+        **content,
+        "Authorization": f"Bearer {TOKEN}",
+        "Content-Length": str(len(body)),
+        "X-Request-Id": request_id,
+    }
     before = _health(service)["stats"]
     answers = []
     threads = [
@@ -229,7 +247,9 @@ def test_a_retry_with_the_same_request_id_is_not_scored_twice(service):
     assert after["computed"] - before.get("computed", 0) == 1
     assert after["deduplicated"] - before.get("deduplicated", 0) == 3
     other = encode_batch(images.flip(0), prompts, [{} for _ in prompts])[0]
-    status, answer, _ = _raw(service, "POST", "/score/toy_attributes", {**headers, "Content-Length": str(len(other))}, other)
+    status, answer, _ = _raw(
+        service, "POST", "/score/toy_attributes", {**headers, "Content-Length": str(len(other))}, other
+    )
     assert status == 409 and "different body" in answer["error"]
 
 
@@ -260,7 +280,8 @@ def test_a_replica_killed_mid_batch_costs_no_request(service):
     in_flight = _health(service)["stats"]["in_flight"]  # requests the replicas hold right now (batch wait 150 ms)
     kill = (  # through Ray's API, from a driver of the service's cluster, while the clients keep sending
         "import ray; ray.init(address={!r}, logging_level='ERROR', log_to_driver=False); "
-        "names = sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True) if '#toy_attributes#' in a['name']); "
+        "names = sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True) "
+        "if '#toy_attributes#' in a['name']); "
         "assert len(names) == 2, names; ray.kill(ray.get_actor(names[0], namespace='serve')); print(names[0])"
     ).format(service["ray"])
     env = dict(os.environ, RAY_AUTH_MODE="token")  # the service's Ray wrote its token to ~/.ray/auth_token
@@ -279,7 +300,17 @@ def test_a_replica_killed_mid_batch_costs_no_request(service):
 
 
 def test_non_loopback_host_without_token_is_refused():
-    command = [sys.executable, "-m", "flowrl.cli", "serve-reward", "jpeg_compressibility", "--host", "0.0.0.0", "--port", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "flowrl.cli",
+        "serve-reward",
+        "jpeg_compressibility",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--token" in done.stderr and done.stderr.count("\n") == 1, done.stderr
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from flowrl.registry import REWARDS
-from flowrl.rewards._server import LocalBackend, make_server
 from flowrl.rewards.remote import encode_batch
+from flowrl.serving.server import LocalBackend, make_server
 from flowrl.types import RewardOutput
 
 TIMEOUT = 0.5  # the servers' request timeout here, in seconds
@@ -34,7 +34,9 @@ def _images(n: int = 3) -> torch.Tensor:
 
 @contextmanager
 def _serving(target=None, **limits):
-    server = make_server(target or REWARDS.build("jpeg_compressibility"), port=0, **{"request_timeout": TIMEOUT, **limits})
+    server = make_server(
+        target or REWARDS.build("jpeg_compressibility"), port=0, **{"request_timeout": TIMEOUT, **limits}
+    )
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -221,7 +223,9 @@ def test_a_retried_request_id_waits_at_most_the_timeout_then_gets_the_first_answ
                 retry.sendall(head + body)
                 status, payload, _ = _answer(retry)
             assert status == 503, payload
-            want = f"reward gated: request id 'batch-7' is still being scored after {TIMEOUT:g}s; retry with the same id"
+            want = (
+                f"reward gated: request id 'batch-7' is still being scored after {TIMEOUT:g}s; retry with the same id"
+            )
             assert payload["error"] == want
             gated.gate.set()
             reader.join(30)

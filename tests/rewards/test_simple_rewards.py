@@ -28,7 +28,8 @@ def render_text(text: str, width: int = 256, height: int = 64) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "a, b, distance", [("kitten", "sitting", 3), ("flaw", "lawn", 2), ("", "abc", 3), ("same", "same", 0), ("ab", "ba", 2)]
+    "a, b, distance",
+    [("kitten", "sitting", 3), ("flaw", "lawn", 2), ("", "abc", 3), ("same", "same", 0), ("ab", "ba", 2)],
 )
 def test_edit_distance_by_hand(a, b, distance):
     assert edit_distance(a, b) == distance == edit_distance(b, a)
@@ -188,12 +189,18 @@ def test_cli_rewards_list_and_score(tmp_path, capsys):
     for i, image in enumerate(images):
         paths.append(str(tmp_path / f"{i}.png"))
         Image.fromarray((image * 255).round().byte().permute(1, 2, 0).numpy()).save(paths[-1])
-    assert main(["score", "--reward", "jpeg_incompressibility", "--set", "quality=90", "--prompt", "x", *paths, "--json"]) == 0
+    assert (
+        main(["score", "--reward", "jpeg_incompressibility", "--set", "quality=90", "--prompt", "x", *paths, "--json"])
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     expected = jpeg_sizes_kb(media.load_images(paths), quality=90)
     assert [r["file"] for r in result] == paths
     assert [r["score"] for r in result] == pytest.approx(expected.tolist())
-    assert main(["score", "--reward", "jpeg_compressibility", "--prompt", "x", "--prompt", "y", "--prompt", "z", *paths]) == 2
+    assert (
+        main(["score", "--reward", "jpeg_compressibility", "--prompt", "x", "--prompt", "y", "--prompt", "z", *paths])
+        == 2
+    )
     assert "--prompt given 3 times for 2 files" in capsys.readouterr().err
     assert main(["score", "--reward", "nope", "--prompt", "x", *paths]) == 2
     assert "unknown reward 'nope'" in capsys.readouterr().err
@@ -209,14 +216,35 @@ def test_cli_scores_videos_with_per_frame(tmp_path, capsys):
     for i, frame in enumerate(frames):
         frame.save(folder / f"{i}.png")
     assert (
-        main(["score", "--reward", "per_frame", "--set", "reward=jpeg_incompressibility", "--prompt", "x", str(folder), "--json"])
+        main(
+            [
+                "score",
+                "--reward",
+                "per_frame",
+                "--set",
+                "reward=jpeg_incompressibility",
+                "--prompt",
+                "x",
+                str(folder),
+                "--json",
+            ]
+        )
         == 0
     )
     result = json.loads(capsys.readouterr().out)
     assert result[0]["score"] == pytest.approx(float(jpeg_sizes_kb(video).mean()), rel=1e-6)
     assert (
         main(
-            ["score", "--reward", "per_frame", "--set", "reward=jpeg_incompressibility", "--prompt", "x", str(tmp_path / "v.gif")]
+            [
+                "score",
+                "--reward",
+                "per_frame",
+                "--set",
+                "reward=jpeg_incompressibility",
+                "--prompt",
+                "x",
+                str(tmp_path / "v.gif"),
+            ]
         )
         == 0
     )

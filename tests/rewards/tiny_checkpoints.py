@@ -24,7 +24,7 @@ _SERVERS: list = []
 
 def _remote(folder: Path) -> dict[str, Any]:
     from flowrl.registry import REWARDS
-    from flowrl.rewards._server import make_server
+    from flowrl.serving.server import make_server
 
     server = make_server(REWARDS.build("jpeg_compressibility"), port=0, token="secret")
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -1,7 +1,10 @@
-"""Evaluation entry point for `accelerate launch`: `flowrl eval` with the eval prompts x seeds split over the processes.
+r"""Evaluation entry point for `accelerate launch`: `flowrl eval` with the eval prompts x seeds split over the
+processes.
 
-accelerate launch scripts/evaluate.py --config configs/sd3/grpo_pickscore.yaml --checkpoint runs/NAME/checkpoints/step_XXXXXX
-accelerate launch --multi_gpu --num_processes 2 scripts/evaluate.py --config configs/toy/grpo.yaml --checkpoint base --set device=cpu
+accelerate launch scripts/evaluate.py --config configs/sd3/grpo_pickscore.yaml \
+    --checkpoint runs/NAME/checkpoints/step_XXXXXX
+accelerate launch --multi_gpu --num_processes 2 scripts/evaluate.py --config configs/toy/grpo.yaml \
+    --checkpoint base --set device=cpu
 """
 
 from __future__ import annotations

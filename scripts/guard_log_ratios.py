@@ -1,11 +1,12 @@
 """The distribution of GRPO's log-ratios ℓ_θ − ℓ_old with and without GRPO-Guard on the Shapes world.
 
-Flow-GRPO's log-ratio of a transition is mean(ξ ⊙ Δμ)/s − b with b = mean(Δμ²)/(2s²) (docs/recipes/grpo.md#grpo-guard-train-guard-true):
-centred at −b < 0 where the weights moved since the rollout. GRPO-Guard's RatioNorm, (ℓ_θ − ℓ_old + b)·s, is centred at 0.
-This trains configs/toy/grpo_two_updates.yaml (PPO's clip) and configs/toy/grpo_guard.yaml (the same run with the
-guard) for a few steps each and keeps every log-ratio of the second optimizer step of each rollout (the first one's
-ratio is exactly 1), at the race's settings and at a stressed setting (larger learning rate, four optimizer steps a
-rollout) where the policy moves further between the rollout and the update.
+Flow-GRPO's log-ratio of a transition is mean(ξ ⊙ Δμ)/s − b with b = mean(Δμ²)/(2s²)
+(docs/recipes/grpo.md#grpo-guard-trainguard-true): centred at −b < 0 where the weights moved since the rollout.
+GRPO-Guard's RatioNorm, (ℓ_θ − ℓ_old + b)·s, is centred at 0. This trains configs/toy/grpo_two_updates.yaml (PPO's
+clip) and configs/toy/grpo_guard.yaml (the same run with the guard) for a few steps each and keeps every log-ratio of
+the second optimizer step of each rollout (the first one's ratio is exactly 1), at the race's settings and at a
+stressed setting (larger learning rate, four optimizer steps a rollout) where the policy moves further between the
+rollout and the update.
 
     python scripts/guard_log_ratios.py --json docs/results/guard_log_ratio.json [--steps 10]
 
@@ -78,7 +79,12 @@ def summary(values: torch.Tensor, bins: int = 41) -> dict:
 
 def run(config: str, overrides: list[str], steps: int, out_dir: Path) -> dict:
     SINK.clear()
-    sets = [f"num_steps={steps}", f"output_dir={out_dir}", "logging.progress_bar=false", "checkpoint.every_n_steps=1000"]
+    sets = [
+        f"num_steps={steps}",
+        f"output_dir={out_dir}",
+        "logging.progress_bar=false",
+        "checkpoint.every_n_steps=1000",
+    ]
     cfg = load_config(ROOT / config, sets + overrides)
     trainer = build_trainer(cfg)
     latent = trainer.parts.model.latent_shape(cfg.sampler.kwargs["height"], cfg.sampler.kwargs["width"])
@@ -142,7 +148,10 @@ def main() -> int:
         }
         for name, r in data["runs"][setting].items():
             s = r["log_ratio"]
-            print(f"{setting:9s} {name:6s} log-ratio mean {s['mean']:+.3e} std {s['std']:.3e} clip {r['clip_fraction']:.3f}")
+            print(
+                f"{setting:9s} {name:6s} log-ratio mean {s['mean']:+.3e} std {s['std']:.3e} "
+                f"clip {r['clip_fraction']:.3f}"
+            )
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")

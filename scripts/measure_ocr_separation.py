@@ -57,7 +57,9 @@ def render_text(text: str, degraded: bool = False, seed: int = 0) -> torch.Tenso
     font = ImageFont.load_default(size=size)
     width = max(256, int(ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength(text, font=font)) + 20)
     image = Image.new("RGB", (width, height), (190, 215, 235) if degraded else "white")
-    ImageDraw.Draw(image).text((10, height // 2 - size // 2 - 2), text, fill=(120, 20, 20) if degraded else "black", font=font)
+    ImageDraw.Draw(image).text(
+        (10, height // 2 - size // 2 - 2), text, fill=(120, 20, 20) if degraded else "black", font=font
+    )
     pixels = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 255  # [3, H, W]
     if degraded:
         blurred = image.filter(ImageFilter.GaussianBlur(1))

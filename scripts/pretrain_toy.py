@@ -52,7 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help=f"output folder (default {WEIGHTS_DIR}; --quick: a temporary folder)")
     p.add_argument("--quick", action="store_true", help="test-sized run: 30 steps of batch 16, no EMA")
     args = p.parse_args(argv)
-    defaults = dict(steps=30, batch_size=16, ema_decay=0.0) if args.quick else dict(steps=3000, batch_size=32, ema_decay=0.998)
+    defaults = (
+        dict(steps=30, batch_size=16, ema_decay=0.0) if args.quick else dict(steps=3000, batch_size=32, ema_decay=0.998)
+    )
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -78,10 +80,13 @@ class ToyDenoiser(torch.nn.Module):
 
     def forward(self, latents: torch.Tensor, sigma: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         embeds = self.text_encoder(input_ids=input_ids).last_hidden_state  # [N, L, D]
-        return unpack(self.transformer(pack(latents), sigma * 1000.0, encoder_hidden_states=embeds).sample)  # [N, 3, H, W]
+        velocity = self.transformer(pack(latents), sigma * 1000.0, encoder_hidden_states=embeds).sample
+        return unpack(velocity)  # [N, 3, H, W]
 
 
-def noisy_scenes(specs: list[ShapeSpec], count_noise: float, colour_noise: float, generator: torch.Generator) -> list[ShapeSpec]:
+def noisy_scenes(
+    specs: list[ShapeSpec], count_noise: float, colour_noise: float, generator: torch.Generator
+) -> list[ShapeSpec]:
     """The scenes actually drawn for prompted `specs`: count / colour redrawn uniformly with the given probabilities."""
     n = len(specs)
     redraw_count = (torch.rand(n, generator=generator) < count_noise).tolist()  # [N]
@@ -89,7 +94,9 @@ def noisy_scenes(specs: list[ShapeSpec], count_noise: float, colour_noise: float
     counts = (torch.randint(1, 4, (n,), generator=generator)).tolist()  # [N]
     colours = torch.randint(len(COLOURS), (n,), generator=generator).tolist()
     return [
-        ShapeSpec(counts[i] if redraw_count[i] else s.count, COLOURS[colours[i]] if redraw_colour[i] else s.colour, s.shape)
+        ShapeSpec(
+            counts[i] if redraw_count[i] else s.count, COLOURS[colours[i]] if redraw_colour[i] else s.colour, s.shape
+        )
         for i, s in enumerate(specs)
     ]
 
@@ -133,8 +140,12 @@ def state_for_file(net: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    command = "python scripts/pretrain_toy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    print(f"command: {command}\nseed: {args.seed}  steps: {args.steps}  batch: {args.batch_size}  out: {args.out}", flush=True)
+    arguments = argv if argv is not None else sys.argv[1:]
+    command = "python scripts/pretrain_toy.py " + " ".join(shlex.quote(a) for a in arguments)
+    print(
+        f"command: {command}\nseed: {args.seed}  steps: {args.steps}  batch: {args.batch_size}  out: {args.out}",
+        flush=True,
+    )
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)  # parameter initialisation
     generator = torch.Generator().manual_seed(args.seed)  # data, sigmas, noise, dropout
@@ -166,7 +177,10 @@ def main(argv: list[str] | None = None) -> dict:
                 p_ema.lerp_(p, 1 - decay)
         running.append(loss.item())
         if step % 50 == 0 or step == args.steps:
-            print(f"step {step} loss {sum(running) / len(running):.4f} {(time.time() - start) / step:.2f}s/step", flush=True)
+            print(
+                f"step {step} loss {sum(running) / len(running):.4f} {(time.time() - start) / step:.2f}s/step",
+                flush=True,
+            )
             running = []
         if args.save_every_n_steps and step % args.save_every_n_steps == 0:
             (out / "checkpoints").mkdir(exist_ok=True)

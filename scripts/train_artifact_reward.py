@@ -35,7 +35,9 @@ def load_labelled(data: str, image_size: int) -> tuple[torch.Tensor, torch.Tenso
             raise FileNotFoundError(f"{folder!r} holds no images ({', '.join(IMAGE_SUFFIXES)}); add some")
         for name in files:
             image = load_image(os.path.join(folder, name)).unsqueeze(0)  # [1, 3, H, W]
-            images.append(F.interpolate(image, size=(image_size, image_size), mode="bilinear", antialias=True).clamp(0, 1))
+            images.append(
+                F.interpolate(image, size=(image_size, image_size), mode="bilinear", antialias=True).clamp(0, 1)
+            )
             labels.append(label)
     return torch.cat(images), torch.tensor(labels)
 
@@ -98,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-fraction", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    record = train(args.data, args.out, args.epochs, args.batch_size, args.lr, args.image_size, args.val_fraction, args.seed)
+    record = train(
+        args.data, args.out, args.epochs, args.batch_size, args.lr, args.image_size, args.val_fraction, args.seed
+    )
     print(json.dumps(record))
     return 0
 

@@ -1,8 +1,11 @@
 """Train the Shapes world's judges on fresh renders and measure them on held-out renders.
 
-    python scripts/train_toy_judges.py --judge attributes --seed 2 --faint-fraction 0.25   # -> toy_attributes.safetensors
-    python scripts/train_toy_judges.py --judge artifact     # -> flowrl/toy/weights/toy_artifact.safetensors
-    python scripts/train_toy_judges.py --judge attributes --evaluate-only --seed 2   # the shipped judge, as in manifest.json
+    # -> flowrl/toy/weights/toy_attributes.safetensors
+    python scripts/train_toy_judges.py --judge attributes --seed 2 --faint-fraction 0.25
+    # -> flowrl/toy/weights/toy_artifact.safetensors
+    python scripts/train_toy_judges.py --judge artifact
+    # the shipped judge, as in manifest.json
+    python scripts/train_toy_judges.py --judge attributes --evaluate-only --seed 2
 
 Training data are endless new scenes of all 36 combinations (the judges must know every combination),
 softened like model samples (slight blur, faint noise). The attribute judge also sees scenes the world never
@@ -66,18 +69,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-eval", type=int, default=2000, help="held-out scenes for the accuracy report")
     p.add_argument("--out", default=None, help=f"output folder (default {WEIGHTS_DIR}; --quick: a temporary folder)")
     p.add_argument("--quick", action="store_true", help="test-sized run: 20 steps, 256 eval scenes")
-    p.add_argument("--impossible-fraction", type=float, default=0.25, help="attributes: share of each batch outside the world")
+    p.add_argument(
+        "--impossible-fraction", type=float, default=0.25, help="attributes: share of each batch outside the world"
+    )
     p.add_argument("--faint-fraction", type=float, default=0.0, help="attributes: share of scenes with one faint shape")
-    p.add_argument("--evaluate-only", action="store_true", help="measure --checkpoint, else --out's judge (or the shipped)")
+    p.add_argument(
+        "--evaluate-only", action="store_true", help="measure --checkpoint, else --out's judge (or the shipped)"
+    )
     p.add_argument("--checkpoint", default=None, help="--evaluate-only: the judge file to measure")
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 20 if args.quick else {"attributes": 2000, "artifact": 800}[args.judge]
     if not 0.0 <= args.impossible_fraction < 1.0:
-        raise ValueError(f"--impossible-fraction={args.impossible_fraction} must be in [0, 1); 0.25 is the shipped judge's")
+        raise ValueError(
+            f"--impossible-fraction={args.impossible_fraction} must be in [0, 1); 0.25 is the shipped judge's"
+        )
     if not 0.0 <= args.faint_fraction <= 1.0:
         raise ValueError(
-            f"--faint-fraction={args.faint_fraction} must be in [0, 1]; 0.25 is the shipped judge's, 0 leaves faint shapes out"
+            f"--faint-fraction={args.faint_fraction} must be in [0, 1]; 0.25 is the shipped judge's, "
+            "0 leaves faint shapes out"
         )
     if args.quick:
         args.num_eval = min(args.num_eval, 256)
@@ -89,7 +99,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_faint(
-    images: torch.Tensor, items: list[list[tuple[str, str]]], fraction: float, generator: torch.Generator, same_shapes: bool
+    images: torch.Tensor,
+    items: list[list[tuple[str, str]]],
+    fraction: float,
+    generator: torch.Generator,
+    same_shapes: bool,
 ):
     """`images` [N, 3, 32, 32] with the first round(N * fraction) scenes redrawn with one faint shape (in place),
     where the exact checker still reads the scene's shapes in their colours, and with `same_shapes` their shapes
@@ -104,7 +118,11 @@ def make_faint(
 
 
 def attribute_batch(
-    num: int, generator: torch.Generator, augment: bool = True, impossible_fraction: float = 0.0, faint_fraction: float = 0.0
+    num: int,
+    generator: torch.Generator,
+    augment: bool = True,
+    impossible_fraction: float = 0.0,
+    faint_fraction: float = 0.0,
 ):
     """Scenes [N, 3, 32, 32] and labels [N, 3] (count, colour, shape): round(N * fraction) impossible ones first;
     `faint_fraction` of each kind with one faint shape."""
@@ -176,7 +194,9 @@ def evaluate_attributes(judge: AttributeJudge, num: int, seed: int) -> dict:
                     images = make_faint(images, items, 1.0, generator, False)
                 scores[kind].append(best_prompt_score(judge(soften(images, generator) if augment else images)))
         result[name] = {f"{kind}_best_prompt_score": round(torch.cat(s).mean().item(), 4) for kind, s in scores.items()}
-        result[name]["mean_best_prompt_score"] = round(torch.cat([torch.cat(s) for s in scores.values()]).mean().item(), 4)
+        result[name]["mean_best_prompt_score"] = round(
+            torch.cat([torch.cat(s) for s in scores.values()]).mean().item(), 4
+        )
     return result
 
 
@@ -193,7 +213,9 @@ def evaluate_artifact(judge: ArtifactJudge, num: int, seed: int) -> dict:
     for name, (batch, label) in sets.items():
         predicted = (judge(batch) > 0).float()
         result[name] = round((predicted == label).float().mean().item(), 4)
-    result["balanced"] = round(0.5 * (result["clean_softened"] + sum(result[k] for k in CORRUPTIONS) / len(CORRUPTIONS)), 4)
+    result["balanced"] = round(
+        0.5 * (result["clean_softened"] + sum(result[k] for k in CORRUPTIONS) / len(CORRUPTIONS)), 4
+    )
     return result
 
 
@@ -235,7 +257,10 @@ def main(argv: list[str] | None = None) -> dict:
         schedule.step()
         running.append(loss.item())
         if step % 100 == 0 or step == args.steps:
-            print(f"step {step} loss {sum(running) / len(running):.4f} {(time.time() - start) / step:.3f}s/step", flush=True)
+            print(
+                f"step {step} loss {sum(running) / len(running):.4f} {(time.time() - start) / step:.3f}s/step",
+                flush=True,
+            )
             running = []
     path = out / name
     save_file(

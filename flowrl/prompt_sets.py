@@ -387,8 +387,9 @@ def _datasets(name: str):
 
 
 def _load_table(name: str, split: str, source: str | Path | None):
-    """The split's `datasets.Dataset`: from the hub or a URL (cached by `datasets`), or from `source`, a local
-    copy: a `save_to_disk` folder (a Dataset, or a DatasetDict with the split) or a .txt/.csv/.json/.jsonl/.parquet."""
+    """The split's `datasets.Dataset`: from the hub or a URL (cached by `datasets`), or from `source`, a local copy
+    read in memory: a `save_to_disk` folder (a Dataset, or a DatasetDict with the split), a .txt (one prompt a line),
+    a .jsonl (records), or the .csv / .parquet file of a hub dataset's repository."""
     spec, datasets = HUB_SETS[name], _datasets(name)
     if source is not None:
         path = Path(source)
@@ -400,12 +401,21 @@ def _load_table(name: str, split: str, source: str | Path | None):
                         return table[key]
                 raise ValueError(f"source={str(path)!r} holds splits {sorted(table)}, not {split!r}; save that split")
             return table
-        builders = {".txt": "text", ".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-        if not path.is_file() or path.suffix not in builders:
+        kinds = (".txt", ".jsonl", ".csv", ".parquet")
+        if not path.is_file() or path.suffix not in kinds:
             raise FileNotFoundError(
-                f"source={str(path)!r} is not a save_to_disk folder or a {'/'.join(builders)} file; give a local copy"
+                f"source={str(path)!r} is not a save_to_disk folder or a {'/'.join(kinds)} file; give a local copy"
             )
-        return datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train")
+        text = path.read_text(encoding="utf-8") if path.suffix in (".txt", ".jsonl") else ""
+        if path.suffix == ".txt":  # one prompt a line, # comments, as a config's prompts_file
+            lines = [t for t in text.splitlines() if t.strip() and not t.lstrip().startswith("#")]
+            return datasets.Dataset.from_dict({"text": lines})
+        if path.suffix == ".jsonl":  # one record a line, as `flowrl prompts` writes them
+            return datasets.Dataset.from_list([json.loads(t) for t in text.splitlines() if t.strip()])
+        import pandas
+
+        frame = pandas.read_csv(path) if path.suffix == ".csv" else pandas.read_parquet(path)
+        return datasets.Dataset.from_pandas(frame, preserve_index=False)
     where = spec.source(split)
     kwargs = {"data_files": {spec.splits[split]: where}} if spec.data_files else {}
     try:
@@ -421,13 +431,14 @@ def _load_table(name: str, split: str, source: str | Path | None):
 
 def table_records(name: str, table) -> list[dict[str, Any]]:
     """Records of a `datasets.Dataset` of a set: its prompt column (or `prompt` / `text` in a local copy), whitespace
-    collapsed, blank rows dropped, and the set's extra columns as metadata."""
+    collapsed, blank rows dropped, and the set's extra columns (or their record keys, in a copy flowrl wrote) as
+    metadata."""
     spec = HUB_SETS[name]
     columns = list(table.column_names)
     column = next((c for c in (spec.column, "prompt", "text") if c in columns), None)
     if column is None:
         raise ValueError(f"prompt set {name!r}: no prompt column {spec.column!r} among {columns}; rename the column")
-    extra = {key: table[col] for key, col in spec.extra.items() if col in columns}
+    extra = {key: table[col] for key, col in spec.extra.items() for col in (col, key) if col in columns}
     records = []
     for row, text in enumerate(table[column]):
         prompt = " ".join(str(text or "").split())

@@ -99,7 +99,9 @@ def find_blobs(images: torch.Tensor) -> list[list[Blob]]:
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"images shape {tuple(images.shape)}: the exact checker takes [N, 3, H, W] RGB in [0, 1]")
     if images.shape[-2:] != (IMAGE_SIZE, IMAGE_SIZE):
-        images = torch.nn.functional.interpolate(images.float(), size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", antialias=True)
+        images = torch.nn.functional.interpolate(
+            images.float(), size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", antialias=True
+        )
     colour, along = pixel_colours(images.detach())
     labels = label_components(along.gather(1, colour[:, None]).squeeze(1) > COVERAGE_THRESHOLD, colour)  # [N, H, W]
     found: list[list[Blob]] = []
@@ -112,7 +114,8 @@ def find_blobs(images: torch.Tensor) -> list[list[Blob]]:
                 continue
             ys, xs = torch.nonzero(pixels, as_tuple=True)
             k = colour[n, ys[0], xs[0]].item()
-            ring = torch.nn.functional.max_pool2d(pixels[None, None].float(), 3, stride=1, padding=1)[0, 0] > 0  # [H, W]
+            # [H, W]
+            ring = torch.nn.functional.max_pool2d(pixels[None, None].float(), 3, stride=1, padding=1)[0, 0] > 0
             ring &= (labels[n] == 0) | pixels  # never another shape's pixels
             fill, drop = measure(along[n, k] * ring)
             box = (ys.min().item(), xs.min().item(), ys.max().item(), xs.max().item())

@@ -184,7 +184,9 @@ def corrupt(images: torch.Tensor, kind: str, generator: torch.Generator) -> torc
         coord = torch.arange(h).float()[None, :]  # [1, H]
         lines = (((coord + phase) % period) < 1).float()  # [N, H]
         vertical = torch.rand(n, generator=generator) < 0.5
-        pattern = torch.where(vertical[:, None, None], lines[:, None, :].expand(n, h, w), lines[:, :, None].expand(n, h, w))
+        pattern = torch.where(
+            vertical[:, None, None], lines[:, None, :].expand(n, h, w), lines[:, :, None].expand(n, h, w)
+        )
         sign = torch.where(torch.rand(n, 1, 1, 1, generator=generator) < 0.5, -1.0, 1.0)
         tint = 0.5 + 0.5 * torch.rand(n, 3, 1, 1, generator=generator)  # [N, 3, 1, 1]
         out = images + sign * uniform(0.15, 0.35) * tint * pattern[:, None]
@@ -202,7 +204,9 @@ def soften(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     n = images.shape[0]
     kernel = torch.tensor([0.25, 0.5, 0.25])
     kernel2d = (kernel[:, None] * kernel[None, :]).expand(3, 1, 3, 3)  # [3, 1, 3, 3]
-    blurred = torch.nn.functional.conv2d(torch.nn.functional.pad(images, (1, 1, 1, 1), mode="replicate"), kernel2d, groups=3)
+    blurred = torch.nn.functional.conv2d(
+        torch.nn.functional.pad(images, (1, 1, 1, 1), mode="replicate"), kernel2d, groups=3
+    )
     mix = (torch.rand(n, 1, 1, 1, generator=generator) < 0.5).float() * torch.rand(n, 1, 1, 1, generator=generator)
     out = images + mix * (blurred - images)
     out = out + 0.03 * torch.rand(n, 1, 1, 1, generator=generator) * torch.randn(images.shape, generator=generator)
@@ -241,7 +245,9 @@ def render_items(
             coverage[colour] = np.maximum(coverage[colour], strength * alpha)
     background = np.asarray(BACKGROUND_RGB)[:, None, None]  # [3, 1, 1]
     total = sum(coverage.values(), np.zeros((size, size)))  # shapes never overlap, so this is at most 1
-    image = background * (1 - total) + sum((np.asarray(COLOUR_RGB[c])[:, None, None] * a for c, a in coverage.items()), 0.0)
+    image = background * (1 - total) + sum(
+        (np.asarray(COLOUR_RGB[c])[:, None, None] * a for c, a in coverage.items()), 0.0
+    )
     return torch.from_numpy(np.broadcast_to(image, (3, size, size)).astype(np.float32))
 
 

@@ -18,7 +18,8 @@ import re
 import pytest
 
 from flowrl.cli import main
-from flowrl.demo import CONFIG, HACKING_PAIRS, hacking_pairs, judge_checkpoint
+from flowrl.demo import CONFIG, HACKING_PAIRS, hacking_pairs
+from flowrl.heldout import judge_checkpoint
 from flowrl.trainers import build_trainer, load_config
 
 PAIRS = {"toy_exact": "toy_attributes"}
@@ -70,14 +71,20 @@ def test_panel_flags_a_run_trained_on_the_count_blind_judge(tmp_path, countblind
     _, run = short_run(tmp_path, "countblind", f"{{name: toy_attributes, checkpoint: {countblind_checkpoint}}}")
     pair = paired(run)
     assert pair["samples"] == 32 and pair["train_gain"] > 0.2, pair  # the hackable judge's eval mean rose a lot ...
-    assert pair["train_gain"] - pair["gold_gain"] > 0.1, pair  # ... toy_exact on the same samples far less (0.41 vs 0.28)
+    # ... toy_exact on the same samples far less (0.41 vs 0.28)
+    assert pair["train_gain"] - pair["gold_gain"] > 0.1, pair
     assert pair["gap"] > 0.1 and pair["bound"] > 0.02 and pair["flagged"], pair  # the 95% lower bound, 0.031, > margin
     result = build_report(run, hacking_pairs=PAIRS)
     assert result["flags"] == {"countblind": [(f"step_{STEPS:06d}", "toy_exact")]}
     (reason,) = [r for _, _, r in result["flag_reasons"]["countblind"]]
-    assert re.fullmatch(r"gained 0\.\d+ less than toy_attributes on the same 32 samples \(95% lower bound 0\.\d+\)", reason)
+    assert re.fullmatch(
+        r"gained 0\.\d+ less than toy_attributes on the same 32 samples \(95% lower bound 0\.\d+\)", reason
+    )
     page = (run / "report" / "index.html").read_text()
-    cell = f'data-flag="1" data-run="countblind" data-reward="toy_exact" data-step="step_{STEPS:06d}" data-kind="hacking-gap"'
+    cell = (
+        f'data-flag="1" data-run="countblind" data-reward="toy_exact" data-step="step_{STEPS:06d}" '
+        'data-kind="hacking-gap"'
+    )
     assert cell in page
     without = build_report(run, out_dir=tmp_path / "unpaired")  # the fall rule alone misses it: toy_exact did not fall
     assert without["flags"] == {"countblind": []}
@@ -92,7 +99,8 @@ def test_panel_does_not_flag_the_same_run_trained_on_the_retrained_judge(tmp_pat
 
     _, run = short_run(tmp_path, "retrained", "{name: toy_attributes}")
     pair = paired(run)
-    assert pair["samples"] == 32 and pair["train_gain"] > 0.05 and pair["gold_gain"] > 0.05, pair  # both rose (0.073, 0.125)
+    # both rose (0.073, 0.125)
+    assert pair["samples"] == 32 and pair["train_gain"] > 0.05 and pair["gold_gain"] > 0.05, pair
     assert pair["gap"] < 0.01 and pair["bound"] <= 0, pair  # the judge never outran the gold: gap -0.052, bound -0.117
     assert not pair["flagged"] and not pair["near"], pair
     result = build_report(run, hacking_pairs=PAIRS)
@@ -112,8 +120,7 @@ def test_demo_pairs_gold_with_the_training_judge_and_reads_its_checkpoint(countb
 
 
 def test_heldout_scores_grade_by_the_exact_checker_beside_the_judge():
-    from flowrl.bench.accuracy import sample_images
-    from flowrl.demo import heldout_scores
+    from flowrl.heldout import heldout_scores, sample_images
     from flowrl.models.toy import load_toy_model
     from flowrl.registry import REWARDS
     from flowrl.toy.judges import load_judge
@@ -142,8 +149,7 @@ def test_heldout_scores_grade_by_the_exact_checker_beside_the_judge():
 
 
 def test_heldout_diversity_is_the_mean_rms_pixel_distance_of_each_prompts_seeds():
-    from flowrl.bench.accuracy import sample_images
-    from flowrl.demo import heldout_scores
+    from flowrl.heldout import heldout_scores, sample_images
     from flowrl.models.toy import load_toy_model
     from flowrl.toy.world import split_prompts
 
@@ -160,7 +166,10 @@ def test_heldout_diversity_is_the_mean_rms_pixel_distance_of_each_prompts_seeds(
 @pytest.mark.parametrize(
     "value, message",
     [
-        ("toy_exact", r"--hacking-pair 'toy_exact' must be GOLD=TRAIN \(two reward names\), e.g. toy_exact=toy_attributes"),
+        (
+            "toy_exact",
+            r"--hacking-pair 'toy_exact' must be GOLD=TRAIN \(two reward names\), e.g. toy_exact=toy_attributes",
+        ),
         ("=toy_attributes", r"--hacking-pair '=toy_attributes' must be GOLD=TRAIN"),
     ],
 )

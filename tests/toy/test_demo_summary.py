@@ -1,4 +1,5 @@
-"""`flowrl demo` ends with a short human summary (`summary_text`), not summary.json whole; summary.json keeps its keys."""
+"""`flowrl demo` ends with a short human summary (`summary_text`), not summary.json whole; summary.json keeps its
+keys."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ SUMMARY = {
         [
             "step_000060",
             "toy_artifact",
-            "fell by 0.0239 on the same 32 samples (95% lower bound 7.57e-05), not flagged: the bound is not above the margin",
+            "fell by 0.0239 on the same 32 samples (95% lower bound 7.57e-05), not flagged: the bound is not above "
+            "the margin",
         ]
     ],
 }
@@ -80,7 +82,11 @@ def test_summary_text_by_hand():
         SUMMARY,
         hacking_flagged=True,
         hacking_flags=[
-            ["step_000060", "toy_exact", "gained 0.124 less than toy_attributes on the same 32 samples (95% lower bound 0.0312)"],
+            [
+                "step_000060",
+                "toy_exact",
+                "gained 0.124 less than toy_attributes on the same 32 samples (95% lower bound 0.0312)",
+            ],
             ["step_000060", "diversity", "fell by 0.05 on the same 8 prompts (95% lower bound 0.01)"],
         ],
     )
@@ -131,7 +137,9 @@ def test_flowrl_demo_prints_the_summary_and_writes_summary_json(tmp_path, capsys
     out = capsys.readouterr().out
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert out.strip() == summary_text(summary)  # the human summary only: summary.json is not printed
-    assert out.startswith("flowrl demo: GRPO on the Shapes world, 1 steps, seed 0; held-out numbers on 16 samples (ODE)")
+    assert out.startswith(
+        "flowrl demo: GRPO on the Shapes world, 1 steps, seed 0; held-out numbers on 16 samples (ODE)"
+    )
     assert f"report: {tmp_path / 'demo' / 'report' / 'index.html'}\n" in out
     assert out.strip().endswith(f"numbers: {tmp_path / 'demo' / 'summary.json'}")
     for key in ("exact_accuracy", "judge_accuracy", "impossible_count", "mixed_colours", "artifact"):
@@ -151,6 +159,6 @@ def test_flowrl_demo_prints_the_summary_and_writes_summary_json(tmp_path, capsys
         "hacking panel: FLAGGED: " if summary["hacking_flags"] else "hacking panel: nothing"
     )
     assert (
-        f"{'gold accuracy':<18}{100 * summary['exact_accuracy_before']:>9.1f}%{100 * summary['exact_accuracy_after']:>9.1f}%"
-        in out
+        f"{'gold accuracy':<18}{100 * summary['exact_accuracy_before']:>9.1f}%"
+        f"{100 * summary['exact_accuracy_after']:>9.1f}%" in out
     )

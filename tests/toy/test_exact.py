@@ -7,7 +7,15 @@ import torch
 from flowrl.registry import REWARDS
 from flowrl.toy import world
 from flowrl.toy.exact import MIN_AREA, find_blobs
-from flowrl.toy.world import ALL_SPECS, BACKGROUND_RGB, COLOUR_RGB, IMPOSSIBLE_KINDS, impossible_batch, render_batch, soften
+from flowrl.toy.world import (
+    ALL_SPECS,
+    BACKGROUND_RGB,
+    COLOUR_RGB,
+    IMPOSSIBLE_KINDS,
+    impossible_batch,
+    render_batch,
+    soften,
+)
 from flowrl.types import RewardOutput
 
 FRESH_SEED = 24_680  # apart from the judges' training and report streams
@@ -82,7 +90,11 @@ def test_agrees_with_the_worlds_labels_on_fresh_renders(exact):
     seeds = torch.randint(2**31 - 1, (len(specs),), generator=generator).tolist()
     images = render_batch(specs, seeds)
     radius = torch.tensor([world._scene(s, np.random.default_rng(seed), 32)[0][2] for s, seed in zip(specs, seeds)])
-    sizes = {"small (r < 4.2)": radius < 4.2, "medium": (radius >= 4.2) & (radius < 5.1), "large (r >= 5.1)": radius >= 5.1}
+    sizes = {
+        "small (r < 4.2)": radius < 4.2,
+        "medium": (radius >= 4.2) & (radius < 5.1),
+        "large (r >= 5.1)": radius >= 5.1,
+    }
     prompts = [s.prompt for s in specs]
     for batch in (images, soften(images, generator)):
         out = exact(batch, prompts, None)
@@ -131,7 +143,12 @@ def test_hand_built_scenes():
     assert read(paint(canvas(), (triangle(16, 2, 7), "green"))) == [("green", "triangle")]
     # empty, four shapes, two colours
     assert read(canvas()) == []
-    four = [(box(2, 2, 8, 8), "red"), (box(2, 20, 8, 26), "red"), (box(20, 2, 26, 8), "red"), (box(20, 20, 26, 26), "red")]
+    four = [
+        (box(2, 2, 8, 8), "red"),
+        (box(2, 20, 8, 26), "red"),
+        (box(20, 2, 26, 8), "red"),
+        (box(20, 20, 26, 26), "red"),
+    ]
     assert read(paint(canvas(), *four)) == [("red", "square")] * 4
     two = paint(canvas(), (disc(8, 8, 4), "red"), (disc(8, 24, 4), "red"), (disc(24, 16, 4), "blue"))
     assert read(two) == [("red", "circle"), ("red", "circle"), ("blue", "circle")]
@@ -156,7 +173,7 @@ def test_agrees_with_the_judge_and_the_pixel_analysis_on_model_samples(exact):
     independent flood fill count (foreground = any channel 0.25 off the background, blobs of 4+ px)."""
     from test_world import components
 
-    from flowrl.bench.accuracy import sample_images
+    from flowrl.heldout import sample_images
     from flowrl.models.toy import load_toy_model
     from flowrl.toy.world import split_prompts
 

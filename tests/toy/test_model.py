@@ -61,7 +61,9 @@ def test_velocity_is_the_unet_on_packed_pixels(random_model):
     v = random_model.velocity(latents, 0.7, cond, 1.0)
     packed = latents.reshape(3, 3, 16, 2, 16, 2).permute(0, 1, 3, 5, 2, 4).reshape(3, 12, 16, 16)
     with torch.no_grad():
-        out = random_model.transformer(packed, torch.full((3,), 700.0), encoder_hidden_states=cond["prompt_embeds"]).sample
+        out = random_model.transformer(
+            packed, torch.full((3,), 700.0), encoder_hidden_states=cond["prompt_embeds"]
+        ).sample
     expected = out.reshape(3, 3, 2, 2, 16, 16).permute(0, 1, 4, 2, 5, 3).reshape(3, 3, 32, 32)
     torch.testing.assert_close(v, expected)
     assert v.dtype == torch.float32
@@ -122,7 +124,7 @@ def test_missing_or_corrupted_weights_name_the_file_and_the_script(tmp_path):
 
 
 def test_shipped_model_draws_the_prompted_colours_and_mostly_the_attributes():
-    from flowrl.bench.accuracy import sample_images
+    from flowrl.heldout import sample_images
     from flowrl.toy.judges import load_judge
     from flowrl.toy.world import split_prompts
 
@@ -130,10 +132,14 @@ def test_shipped_model_draws_the_prompted_colours_and_mostly_the_attributes():
     judge = load_judge("attributes")
     prompts = split_prompts("train")[::2]  # 14 training prompts, one seed each
     images = sample_images(
-        model, prompts, list(range(len(prompts))), num_steps=toy.DEFAULT_NUM_STEPS, guidance_scale=toy.DEFAULT_GUIDANCE_SCALE
+        model,
+        prompts,
+        list(range(len(prompts))),
+        num_steps=toy.DEFAULT_NUM_STEPS,
+        guidance_scale=toy.DEFAULT_GUIDANCE_SCALE,
     )
     assert images.shape == (14, 3, 32, 32) and 0 <= images.min() and images.max() <= 1
-    from flowrl.bench.accuracy import judge_accuracy
+    from flowrl.heldout import judge_accuracy
 
     metrics = judge_accuracy(judge, images, prompts)
     # shapes are never corrupted in pretraining, counts and colours deliberately are (scripts/pretrain_toy.py)
@@ -142,7 +148,7 @@ def test_shipped_model_draws_the_prompted_colours_and_mostly_the_attributes():
 
 
 def test_ode_sampler_runs_the_toy_model_as_a_hand_written_euler_loop(random_model):
-    from flowrl.bench.accuracy import sample_images
+    from flowrl.heldout import sample_images
 
     prompts, seeds = ["two red circles", "one blue square", "three green triangles"], [11, 12, 13]
     images = sample_images(random_model, prompts, seeds, num_steps=4, guidance_scale=2.0, batch_size=2)
@@ -159,8 +165,8 @@ def test_flowrl_sample_cli_draws_the_shipped_toy_model(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from flowrl.bench.accuracy import sample_images
     from flowrl.cli import main
+    from flowrl.heldout import sample_images
 
     prompts = ["two red circles", "three blue triangles"]
     assert (

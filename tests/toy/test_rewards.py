@@ -61,7 +61,9 @@ def test_attribute_reward_is_the_product_of_the_prompts_probabilities(attributes
     torch.testing.assert_close(out.scores.detach(), expected.float(), rtol=1e-4, atol=1e-6)
     assert (out.scores > 0.8).all()
     # the wrong count, colour or shape gets a low score for the same image
-    wrong = attributes(images[:1].expand(3, -1, -1, -1), ["three red circles", "two blue circles", "two red squares"], [{}] * 3)
+    wrong = attributes(
+        images[:1].expand(3, -1, -1, -1), ["three red circles", "two blue circles", "two red squares"], [{}] * 3
+    )
     assert (wrong.scores < 0.1).all(), wrong.scores
 
 
@@ -101,7 +103,7 @@ def test_attribute_judge_agrees_with_pixel_analysis_on_model_samples(attributes)
     entry of the foreground mean agree with the judge's argmax."""
     from test_world import components
 
-    from flowrl.bench.accuracy import sample_images
+    from flowrl.heldout import sample_images
     from flowrl.models.toy import load_toy_model
     from flowrl.toy.world import BACKGROUND_RGB, COLOUR_RGB, COLOURS, split_prompts
 
@@ -182,7 +184,9 @@ def test_other_penalty_ranks_an_impossible_count_below_a_wrong_possible_one(attr
         exp = logits[head].double().exp()
         possible *= 1 - exp[:, -1] / exp.sum(1)  # the last class is "other"
     torch.testing.assert_close(out.parts["impossible"].detach().double(), 1 - possible, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(out.scores.detach().double(), plain.double() - 0.5 * (1 - possible), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        out.scores.detach().double(), plain.double() - 0.5 * (1 - possible), rtol=1e-4, atol=1e-6
+    )
     assert plain.max() < 0.1  # both wrong for "three": without the penalty they tie near 0
     assert out.scores[1] < out.scores[0] - 0.3, out.scores  # four shapes: impossible, penalised; two: possible
     with pytest.raises(ValueError, match=r"other_penalty=-1 must be >= 0"):

@@ -26,7 +26,9 @@ def test_pretrain_quick_lowers_the_loss_and_records_the_file(tmp_path):
     assert entry["eval_loss_after"] < entry["eval_loss_before"] - 0.05, entry
     path = tmp_path / "toy_model.safetensors"
     manifest = json.loads((tmp_path / "manifest.json").read_text())["toy_model.safetensors"]
-    assert manifest["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() and manifest["size"] == path.stat().st_size
+    assert (
+        manifest["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() and manifest["size"] == path.stat().st_size
+    )
     assert manifest["seed"] == 0 and "--quick" in manifest["command"]
     model = load_toy_model(checkpoint=path)
     assert model.velocity(model.prepare_latents(1, 32, 32, None), 0.5, model.encode(["one red circle"]), 1.0).shape == (

@@ -1,4 +1,5 @@
-"""The toy image-to-video model ("toy I2V"): the toy model pulled toward a source image, its source records and config."""
+"""The toy image-to-video model ("toy I2V"): the toy model pulled toward a source image, its source records and
+config."""
 
 import os
 
@@ -47,7 +48,9 @@ def test_zero_weight_is_the_text_only_model_bit_for_bit(models):
         assert torch.equal(plain.velocity(latents, 0.7, cond, guidance), zero.velocity(latents, 0.7, cond0, guidance))
     with torch.no_grad():  # the UNet on packed pixels, as the adapter always computed it
         by_hand = unpack(
-            zero.transformer(pack(latents), torch.full((3,), 700.0), encoder_hidden_states=cond0["prompt_embeds"]).sample
+            zero.transformer(
+                pack(latents), torch.full((3,), 700.0), encoder_hidden_states=cond0["prompt_embeds"]
+            ).sample
         )
     assert torch.equal(zero.velocity(latents, 0.7, encode_prompts(zero, PROMPTS, None, "", 1.0, SIZE)), by_hand)
     with pytest.raises(ValueError, match="text-only toy model"):
@@ -79,7 +82,9 @@ def test_gradients_flow_through_the_text_velocity(models):
     weight = i2v.transformer.conv_in.weight
     weight.requires_grad_(True)
     try:
-        i2v.velocity(torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2)), 0.5, cond).square().sum().backward()
+        i2v.velocity(
+            torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2)), 0.5, cond
+        ).square().sum().backward()
         assert weight.grad is not None and weight.grad.abs().sum() > 0
     finally:
         weight.grad = None
@@ -103,7 +108,9 @@ def test_sources_pull_the_ode_output_toward_the_source(models):
 
 def test_the_source_png_is_the_worlds_render_written_once(cache, monkeypatch):
     path = sources.source_path("two red circles")
-    assert os.path.dirname(path) == str(cache / "toy_sources") and os.listdir(cache / "toy_sources") == [os.path.basename(path)]
+    assert os.path.dirname(path) == str(cache / "toy_sources") and os.listdir(cache / "toy_sources") == [
+        os.path.basename(path)
+    ]
     expected = render(parse_prompt("two red circles"), sources.source_seed("two red circles"))
     torch.testing.assert_close(load_image(path), expected, rtol=0, atol=0.5 / 255 + 1e-6)
     assert sources.source_seed("two red circles") != sources.source_seed("two red squares")
@@ -123,7 +130,9 @@ def test_the_source_png_is_the_worlds_render_written_once(cache, monkeypatch):
 
 def test_a_prompt_without_a_source_image_is_a_one_line_error(models):
     _, i2v = models
-    with pytest.raises(ValueError, match=r"prompt 'one blue square' has no source image, which the toy model needs") as err:
+    with pytest.raises(
+        ValueError, match=r"prompt 'one blue square' has no source image, which the toy model needs"
+    ) as err:
         encode_prompts(i2v, PROMPTS[:2], [_meta(PROMPTS[:1])[0], {}], "", 1.0, SIZE)
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="source_weight=0.5 needs one source image per prompt"):
@@ -168,7 +177,8 @@ def test_one_grpo_step_on_the_i2v_config_carries_the_sources(tmp_path):
     )
     assert cfg.model.family_kwargs == {"source_weight": W} and cfg.data.toy_sources and cfg.eval.toy_sources
     assert cfg.sampler.kwargs["same_latent"] is True
-    assert data["sampler"] == {**yaml.safe_load(open("configs/toy/grpo_i2v.yaml"))["sampler"]}  # only the sources differ
+    # only the sources differ
+    assert data["sampler"] == {**yaml.safe_load(open("configs/toy/grpo_i2v.yaml"))["sampler"]}
     trainer = build_trainer(cfg)
     assert trainer.parts.model.source_weight == W and conditioning_kind(trainer.parts.model) == "image"
     original, seen = trainer.parts.sampler, []
@@ -189,4 +199,5 @@ def test_one_grpo_step_on_the_i2v_config_carries_the_sources(tmp_path):
     assert source.shape == (4, 3, 32, 32)
     for row, meta in enumerate(rollout.metadata):
         torch.testing.assert_close(source[row], load_image(meta["image"]) * 2 - 1, rtol=0, atol=1e-6)
-    assert torch.equal(source[0], source[1]) and torch.equal(rollout.latents[0, 0], rollout.latents[1, 0])  # a group shares both
+    # a group shares both
+    assert torch.equal(source[0], source[1]) and torch.equal(rollout.latents[0, 0], rollout.latents[1, 0])

@@ -81,7 +81,9 @@ def test_prompts_parse_back_to_their_attributes():
     assert ShapeSpec(3, "green", "triangle").labels == (2, 1, 2)
 
 
-@pytest.mark.parametrize("prompt", ["four red circles", "two red circle", "one red circles", "a blue thing", "", "red circles"])
+@pytest.mark.parametrize(
+    "prompt", ["four red circles", "two red circle", "one red circles", "a blue thing", "", "red circles"]
+)
 def test_prompt_outside_the_grammar_shows_the_grammar(prompt):
     with pytest.raises(ValueError, match="outside the Shapes grammar: <count> <colour> <shape>"):
         parse_prompt(prompt)
@@ -174,7 +176,9 @@ def test_faint_items_fades_and_shrinks_one_shape_where_the_gold_still_reads_it()
     inside = (full - red[:, None, None]).abs().amax(0) < 1e-6  # pixels fully inside the square
     assert inside.any()
     # by hand: a pixel fully inside the faded square is 0.7 of the way from the background to red
-    torch.testing.assert_close(faded[:, inside], (background + 0.7 * (red - background))[:, None].expand(3, int(inside.sum())))
+    torch.testing.assert_close(
+        faded[:, inside], (background + 0.7 * (red - background))[:, None].expand(3, int(inside.sum()))
+    )
     shrunk = world.render_items([("red", "square")], 4, faint=(0, 1.0, 0.6))
     drawn = [int(((image - background[:, None, None]).abs().amax(0) > 1e-6).sum()) for image in (full, shrunk)]
     assert drawn[1] < 0.6 * drawn[0], drawn  # radius x 0.6: about 0.36 of the area, plus the anti-aliased rim
@@ -186,7 +190,9 @@ def test_faint_items_fades_and_shrinks_one_shape_where_the_gold_still_reads_it()
         if image is not None:  # the gold still reads four green triangles, one of them fainter or smaller than the rest
             kept += 1
             blobs = find_blobs(image[None])[0]
-            assert [(b.colour, b.shape) for b in blobs] == items and min(b.area for b in blobs) < max(b.area for b in blobs)
+            assert [(b.colour, b.shape) for b in blobs] == items and min(b.area for b in blobs) < max(
+                b.area for b in blobs
+            )
             # independently of the checker: each drawn component's peak share of green (projection onto the
             # background-to-green line, by the test's own flood fill); exactly one is faint, at most FAINT_STRENGTH[1]
             offsets, line = image - background[:, None, None], green - background
@@ -194,5 +200,6 @@ def test_faint_items_fades_and_shrinks_one_shape_where_the_gold_still_reads_it()
             peaks = sorted(max(share[y, x].item() for y, x in c) for c in components(offsets.abs().amax(0) > 1e-6))
             assert len(peaks) == 4 and peaks[0] <= world.FAINT_STRENGTH[1] + 1e-5 < 0.99 < peaks[1], peaks
         circles = faint_items([("green", "circle")] * 4, seed, generator, same_shapes=False)
-        assert circles is not None and [b.colour for b in find_blobs(circles[None])[0]] == ["green"] * 4  # count, colour
+        # count, colour
+        assert circles is not None and [b.colour for b in find_blobs(circles[None])[0]] == ["green"] * 4
     assert kept >= 10 and faint_items([], 0, generator) is None

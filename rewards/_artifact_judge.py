@@ -37,9 +37,13 @@ class VLMArtifactJudge:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         if not model_name:
-            raise ValueError("artifact: backend='vlm' needs model_name=/path/to/vlm (e.g. a local Qwen2.5-VL-7B-Instruct folder)")
+            raise ValueError(
+                "artifact: backend='vlm' needs model_name=/path/to/vlm (e.g. a local Qwen2.5-VL-7B-Instruct folder)"
+            )
         if not os.path.isdir(model_name) and not is_hub_id(model_name):
-            raise FileNotFoundError(f"artifact: model_name={model_name!r} is neither a local folder nor a hub id (org/name)")
+            raise FileNotFoundError(
+                f"artifact: model_name={model_name!r} is neither a local folder nor a hub id (org/name)"
+            )
         with hub_errors(model_name, "artifact: VLM") if not os.path.isdir(model_name) else contextlib.nullcontext():
             self.processor = AutoProcessor.from_pretrained(model_name)
             self.model = AutoModelForImageTextToText.from_pretrained(model_name, dtype=dtype)
@@ -49,7 +53,8 @@ class VLMArtifactJudge:
         self.yes_ids, self.no_ids = answer_token_ids(tokenizer, "yes"), answer_token_ids(tokenizer, "no")
         if not self.yes_ids or not self.no_ids:
             raise ValueError(
-                f"artifact: the tokenizer of {model_name!r} has no single token for yes/no; use an instruction-tuned VLM"
+                f"artifact: the tokenizer of {model_name!r} has no single token for yes/no; "
+                "use an instruction-tuned VLM"
             )
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": self.question}]}]
         self.chat = self.processor.apply_chat_template(messages, add_generation_prompt=True)

@@ -52,10 +52,14 @@ def _open_clip_file(model: str, tag: str) -> tuple[str, dict[str, Any]]:
     cfg = open_clip.get_pretrained_cfg(model, tag)
     if not cfg:
         tags = open_clip.list_pretrained_tags_by_model(model)
-        raise ValueError(f"pretrained={tag!r} is not an open_clip tag of {model!r}; use one of {tags} or a weights file path")
+        raise ValueError(
+            f"pretrained={tag!r} is not an open_clip tag of {model!r}; use one of {tags} or a weights file path"
+        )
     repo = cfg.get("hf_hub", "").rstrip("/")
     if not repo:
-        raise FileNotFoundError(f"open_clip tag {model}/{tag} has no Hugging Face repository; pass pretrained=/path/to/weights")
+        raise FileNotFoundError(
+            f"open_clip tag {model}/{tag} has no Hugging Face repository; pass pretrained=/path/to/weights"
+        )
     failures = []
     for filename in ("open_clip_model.safetensors", "open_clip_pytorch_model.bin"):  # the repo holds one of the two
         try:
@@ -70,8 +74,9 @@ def load_open_clip(model: str, pretrained: str | None, device: Any, dtype: torch
 
     model: an open_clip architecture name ("ViT-L-14") or a local folder in open_clip's hub layout
       (open_clip_config.json + open_clip_model.safetensors). pretrained: an open_clip tag (looked up in the
-      HF cache, downloaded unless HF_HUB_OFFLINE; None = "openai" for an architecture name) or a weights file; must be None with a folder. checkpoint: a further state dict loaded on top (e.g. HPS v2 weights;
-      a {"state_dict": ...} wrapper is accepted).
+      HF cache, downloaded unless HF_HUB_OFFLINE; None = "openai" for an architecture name) or a weights file; must be
+      None with a folder. checkpoint: a further state dict loaded on top (e.g. HPS v2 weights; a {"state_dict": ...}
+      wrapper is accepted).
     """
     import open_clip
 
@@ -80,13 +85,15 @@ def load_open_clip(model: str, pretrained: str | None, device: Any, dtype: torch
         name = f"local-dir:{model}"
         if pretrained is not None:
             raise ValueError(
-                f"pretrained={pretrained!r} given with model folder {model!r}; the folder holds the weights, drop pretrained"
+                f"pretrained={pretrained!r} given with model folder {model!r}; the folder holds the weights, "
+                "drop pretrained"
             )
     else:
         name = model
         if open_clip.get_model_config(model) is None:
             raise ValueError(
-                f"model={model!r} is neither an open_clip architecture nor a local folder; e.g. 'ViT-L-14' or /path/to/open_clip_folder"
+                f"model={model!r} is neither an open_clip architecture nor a local folder; e.g. 'ViT-L-14' or "
+                "/path/to/open_clip_folder"
             )
         if pretrained is None and checkpoint is None:
             pretrained = DEFAULT_TAG

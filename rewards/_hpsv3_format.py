@@ -37,9 +37,9 @@ HEAD_INDICES = (0, 3, 5)
 INSTRUCTION = "\n".join(
     (
         "",
-        "You are tasked with evaluating a generated image based on Visual Quality and Text Alignment and give a overall "
-        "score to estimate the human preference. Please provide a rating from 0 to 10, with 0 being the worst and 10 "
-        "being the best. ",
+        "You are tasked with evaluating a generated image based on Visual Quality and Text Alignment and give a "
+        "overall score to estimate the human preference. Please provide a rating from 0 to 10, with 0 being the worst "
+        "and 10 being the best. ",
         "",
         "**Visual Quality:**  ",
         "Evaluate the overall visual quality of the image. The following sub-dimensions should be considered:",
@@ -47,8 +47,8 @@ INSTRUCTION = "\n".join(
         "abnormal body structures or nonsensical environmental setups.",
         "- **Clarity:** Evaluate the sharpness and visibility of the image. The image should be clear and easy to "
         "interpret, with no blurring or indistinct areas.",
-        "- **Detail Richness:** Consider the level of detail in textures, materials, lighting, and other visual elements "
-        "(e.g., hair, clothing, shadows).",
+        "- **Detail Richness:** Consider the level of detail in textures, materials, lighting, and other visual "
+        "elements (e.g., hair, clothing, shadows).",
         "- **Aesthetic and Creativity:** Assess the artistic aspects of the image, including the color scheme, "
         "composition, atmosphere, depth of field, and the overall creative appeal. The scene should convey a sense of "
         "harmony and balance.",
@@ -58,11 +58,11 @@ INSTRUCTION = "\n".join(
         "",
         "**Text Alignment:**  ",
         "Assess how well the image matches the textual prompt across the following sub-dimensions:",
-        "- **Subject Relevance** Evaluate how accurately the subject(s) in the image (e.g., person, animal, object) align "
-        "with the textual description. The subject should match the description in terms of number, appearance, and "
-        "behavior.",
-        "- **Style Relevance:** If the prompt specifies a particular artistic or stylistic style, evaluate how well the "
-        "image adheres to this style.",
+        "- **Subject Relevance** Evaluate how accurately the subject(s) in the image (e.g., person, animal, object) "
+        "align with the textual description. The subject should match the description in terms of number, appearance, "
+        "and behavior.",
+        "- **Style Relevance:** If the prompt specifies a particular artistic or stylistic style, evaluate how well "
+        "the image adheres to this style.",
         "- **Contextual Consistency**: Assess whether the background, setting, and surrounding elements in the image "
         "logically fit the scenario described in the prompt. The environment should support and enhance the subject "
         "without contradictions.",
@@ -96,7 +96,9 @@ def resized_size(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """(height, width) in multiples of `factor`, nearest in aspect to the input, with an area within
     [min_pixels, max_pixels] (qwen-vl-utils' sizing rule, which HPSv3 applies before its processor)."""
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"hpsv3: images of {height} x {width} px exceed Qwen2-VL's aspect ratio limit of 200; crop them")
+        raise ValueError(
+            f"hpsv3: images of {height} x {width} px exceed Qwen2-VL's aspect ratio limit of 200; crop them"
+        )
     h, w = max(factor, round(height / factor) * factor), max(factor, round(width / factor) * factor)
     if h * w > max_pixels:
         scale = math.sqrt(height * width / max_pixels)
@@ -157,7 +159,9 @@ def split_checkpoint(state: Mapping[str, torch.Tensor], hidden_size: int, path: 
         if key not in state:
             raise ValueError(f"hpsv3: checkpoint {path!r} has no {key} (the ranknet reward head); {fix}")
         if tuple(state[key].shape) != shape:
-            why = "the base model's hidden size" if key == "rm_head.0.weight" else "HPSv3's (mu, log sigma) ranknet head"
+            why = (
+                "the base model's hidden size" if key == "rm_head.0.weight" else "HPSv3's (mu, log sigma) ranknet head"
+            )
             raise ValueError(
                 f"hpsv3: checkpoint {key} has shape {tuple(state[key].shape)}, not {shape} ({why}); {fix}, with the "
                 f"config of {BASE_MODEL}"

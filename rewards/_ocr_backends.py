@@ -44,7 +44,9 @@ class RapidOCRReader:
         params: dict[str, Any] = {f"{task}.model_path": str(folder / name) for task, name in RAPIDOCR_MODELS.items()}
         for path in params.values():
             if not Path(path).is_file():
-                raise FileNotFoundError(f"ocr: {path} is missing from the rapidocr wheel; pip install 'rapidocr==3.10.*'")
+                raise FileNotFoundError(
+                    f"ocr: {path} is missing from the rapidocr wheel; pip install 'rapidocr==3.10.*'"
+                )
         params |= {
             "Global.log_level": "error",
             "EngineConfig.onnxruntime.intra_op_num_threads": int(num_threads),

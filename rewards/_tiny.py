@@ -38,7 +38,12 @@ def tiny_open_clip(
     folder.mkdir(parents=True, exist_ok=True)
     config = {
         "model_cfg": model_cfg or TINY_CLIP_CFG,
-        "preprocess_cfg": {"mean": OPENAI_MEAN, "std": OPENAI_STD, "interpolation": "bicubic", "resize_mode": "shortest"},
+        "preprocess_cfg": {
+            "mean": OPENAI_MEAN,
+            "std": OPENAI_STD,
+            "interpolation": "bicubic",
+            "resize_mode": "shortest",
+        },
     }
     (folder / "open_clip_config.json").write_text(json.dumps(config))
     torch.manual_seed(seed)
@@ -68,7 +73,9 @@ def tiny_pickscore(folder: Path) -> dict[str, Any]:
         size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_mean=OPENAI_MEAN, image_std=OPENAI_STD
     )
     CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    ids = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     config = CLIPConfig(
         text_config=dict(
             vocab_size=len(tokenizer),
@@ -80,7 +87,12 @@ def tiny_pickscore(folder: Path) -> dict[str, Any]:
             **ids,
         ),
         vision_config=dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
         ),
         projection_dim=16,
     )
@@ -215,7 +227,8 @@ def make_imagereward_files(
     t, d = "blip.text_encoder", med["hidden_size"]
     s[f"{t}.embeddings.word_embeddings.weight"] = torch.randn(med["vocab_size"], d, generator=g)
     s[f"{t}.embeddings.position_embeddings.weight"] = 0.5 * torch.randn(med["max_position_embeddings"], d, generator=g)
-    s[f"{t}.embeddings.position_ids"] = torch.arange(med["max_position_embeddings"]).unsqueeze(0)  # saved by older transformers
+    # saved by older transformers
+    s[f"{t}.embeddings.position_ids"] = torch.arange(med["max_position_embeddings"]).unsqueeze(0)
     _norm(s, f"{t}.embeddings.LayerNorm", d, g)
     for i in range(med["num_hidden_layers"]):
         for attn, kv_width in (("attention", d), ("crossattention", w)):
@@ -273,13 +286,19 @@ QWEN2_VL_SPECIALS = (
 )
 QWEN2_VL_CHAT_TEMPLATE = (  # Qwen/Qwen2-VL-7B-Instruct's chat_template.json
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
-    "{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
     "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}"
     "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -371,7 +390,12 @@ def tiny_hpsv3(folder: Path, pixels: int = 768) -> dict[str, Any]:
         state[f"rm_head.{index}.weight"] = torch.randn(d_out, d_in, generator=g) / d_in**0.5
         state[f"rm_head.{index}.bias"] = 0.1 * torch.randn(d_out, generator=g)
     save_file(state, str(folder / "HPSv3.safetensors"))
-    return {"model_name": str(base), "checkpoint": str(folder / "HPSv3.safetensors"), "min_pixels": pixels, "max_pixels": pixels}
+    return {
+        "model_name": str(base),
+        "checkpoint": str(folder / "HPSv3.safetensors"),
+        "min_pixels": pixels,
+        "max_pixels": pixels,
+    }
 
 
 TINY_REWARDS: dict[str, Callable[[Path], dict[str, Any]]] = {

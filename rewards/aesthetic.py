@@ -29,9 +29,12 @@ def build_aesthetic_head(state: dict[str, torch.Tensor]) -> torch.nn.Sequential:
     indices = sorted({int(m.group(1)) for key in state if (m := re.fullmatch(r"layers\.(\d+)\.weight", key))})
     if not indices:
         raise ValueError(
-            f"aesthetic: checkpoint keys {sorted(state)[:4]} are neither a linear nor a `layers.<i>` MLP head; pass the LAION predictor weights"
+            f"aesthetic: checkpoint keys {sorted(state)[:4]} are neither a linear nor a `layers.<i>` MLP head; "
+            "pass the LAION predictor weights"
         )
-    modules: list[torch.nn.Module] = [torch.nn.Identity() for _ in range(indices[-1] + 1)]  # dropouts stay Identity in eval
+    modules: list[torch.nn.Module] = [
+        torch.nn.Identity() for _ in range(indices[-1] + 1)
+    ]  # dropouts stay Identity in eval
     for i in indices:
         out_dim, in_dim = state[f"layers.{i}.weight"].shape
         modules[i] = torch.nn.Linear(in_dim, out_dim)
@@ -56,11 +59,16 @@ class AestheticReward:
     ):
         if checkpoint is None or not os.path.isfile(checkpoint):
             given = "is not set" if checkpoint is None else f"{checkpoint!r} does not exist"
-            raise FileNotFoundError(f"aesthetic: checkpoint {given}; download it from {WEIGHTS_URL} and pass checkpoint=")
+            raise FileNotFoundError(
+                f"aesthetic: checkpoint {given}; download it from {WEIGHTS_URL} and pass checkpoint="
+            )
         self.device, self.dtype = torch.device(device), dtype
         self.model, _, self.preprocess = load_open_clip(model_name, pretrained, self.device, dtype)
         self.head = (
-            build_aesthetic_head(read_state_dict(checkpoint, "checkpoint")).to(self.device, dtype).eval().requires_grad_(False)
+            build_aesthetic_head(read_state_dict(checkpoint, "checkpoint"))
+            .to(self.device, dtype)
+            .eval()
+            .requires_grad_(False)
         )
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:

@@ -71,13 +71,15 @@ def load_artifact_classifier(path: str) -> ArtifactCNN:
 
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"artifact: checkpoint {path!r} does not exist; train one with `python scripts/train_artifact_reward.py --data DIR --out {path}`"
+            f"artifact: checkpoint {path!r} does not exist; train one with "
+            f"`python scripts/train_artifact_reward.py --data DIR --out {path}`"
         )
     with safe_open(path, framework="pt") as f:
         metadata = f.metadata() or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(
-            f"artifact: {path!r} is not a {FORMAT} file (metadata format={metadata.get('format')!r}); use one written by scripts/train_artifact_reward.py"
+            f"artifact: {path!r} is not a {FORMAT} file (metadata format={metadata.get('format')!r}); "
+            "use one written by scripts/train_artifact_reward.py"
         )
     model = ArtifactCNN(**json.loads(metadata["config"]))
     model.load_state_dict(load_file(path))
@@ -103,7 +105,9 @@ class ArtifactReward:
         if backend == "classifier":
             if checkpoint is None:
                 raise FileNotFoundError(
-                    "artifact: checkpoint is not set; train one with `python scripts/train_artifact_reward.py --data DIR --out artifact.safetensors` and pass checkpoint="
+                    "artifact: checkpoint is not set; train one with "
+                    "`python scripts/train_artifact_reward.py --data DIR --out artifact.safetensors` and pass "
+                    "checkpoint="
                 )
             self.model = load_artifact_classifier(checkpoint).to(self.device, dtype).eval().requires_grad_(False)
         elif backend == "vlm":

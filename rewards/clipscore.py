@@ -36,6 +36,9 @@ class ClipScoreReward:
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         check_inputs(self.registry_name, images, prompts, metadata)
-        image_features = normalized(self.model.encode_image(self.preprocess(images.to(self.device, self.dtype))))  # [N, D]
+        # [N, D]
+        image_features = normalized(self.model.encode_image(self.preprocess(images.to(self.device, self.dtype))))
         cosine = (image_features * self.text_features(prompts)).sum(-1)  # [N]
-        return RewardOutput(scores=(self.weight * cosine.clamp(min=0)).float(), parts={"cosine": cosine.detach().float()})
+        return RewardOutput(
+            scores=(self.weight * cosine.clamp(min=0)).float(), parts={"cosine": cosine.detach().float()}
+        )

@@ -47,7 +47,12 @@ class DinoSimilarityReward:
             raise FileNotFoundError(
                 f"dino_similarity: model {model!r} is neither a local folder nor a hub id (org/name); pass one of those"
             )
-        self.device, self.dtype, self.image_size, self.reference_key = torch.device(device), dtype, image_size, reference_key
+        self.device, self.dtype, self.image_size, self.reference_key = (
+            torch.device(device),
+            dtype,
+            image_size,
+            reference_key,
+        )
         with hub_errors(model, "dino_similarity: model"):
             self.model = Dinov2Model.from_pretrained(model).to(self.device, dtype).eval().requires_grad_(False)
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device, dtype=dtype).view(1, 3, 1, 1)
@@ -59,7 +64,8 @@ class DinoSimilarityReward:
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Normalised DINOv2 embeddings [M, D] of images [M, 3, H, W] in [0, 1]."""
-        x = images.to(self.device, torch.float64 if self.dtype == torch.float64 else torch.float32)  # resize: no bf16 kernel
+        # resize: no bf16 kernel
+        x = images.to(self.device, torch.float64 if self.dtype == torch.float64 else torch.float32)
         h, w = x.shape[-2:]
         scale = self.image_size / min(h, w)
         size = (max(self.image_size, round(h * scale)), max(self.image_size, round(w * scale)))

@@ -41,11 +41,14 @@ class HPSv2Reward:
                 f"hpsv2: checkpoint {checkpoint!r} does not exist; download {HPS_FILES[version]} from https://huggingface.co/{HPS_REPO}"
             )
         self.device, self.dtype = torch.device(device), dtype
-        self.model, self.tokenizer, self.preprocess = load_open_clip(model_name, None, self.device, dtype, checkpoint=checkpoint)
+        self.model, self.tokenizer, self.preprocess = load_open_clip(
+            model_name, None, self.device, dtype, checkpoint=checkpoint
+        )
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         check_inputs(self.registry_name, images, prompts, metadata)
-        image_features = normalized(self.model.encode_image(self.preprocess(images.to(self.device, self.dtype))))  # [N, D]
+        # [N, D]
+        image_features = normalized(self.model.encode_image(self.preprocess(images.to(self.device, self.dtype))))
         with torch.no_grad():
             text_features = normalized(self.model.encode_text(self.tokenizer(prompts).to(self.device)))  # [N, D]
         return RewardOutput(scores=(image_features * text_features).sum(-1).float())

@@ -25,7 +25,9 @@ from . import _hpsv3_format as fmt
 
 def _pretrained(cls: Any, name: str, what: str, **kwargs: Any) -> Any:
     if not os.path.isdir(name) and not is_hub_id(name):
-        raise FileNotFoundError(f"hpsv3: {what} {name!r} is neither a local folder nor a hub id (org/name); pass one of those")
+        raise FileNotFoundError(
+            f"hpsv3: {what} {name!r} is neither a local folder nor a hub id (org/name); pass one of those"
+        )
     with hub_errors(name, f"hpsv3: {what}"):
         return cls.from_pretrained(name, **kwargs)
 
@@ -52,7 +54,9 @@ class HPSv3Reward:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"hpsv3: {key}={value!r} must be a whole number >= 1 (the release: {fmt.PIXELS})")
         if min_pixels > max_pixels:
-            raise ValueError(f"hpsv3: min_pixels={min_pixels} exceeds max_pixels={max_pixels}; make min_pixels <= max_pixels")
+            raise ValueError(
+                f"hpsv3: min_pixels={min_pixels} exceeds max_pixels={max_pixels}; make min_pixels <= max_pixels"
+            )
         self.device, self.dtype, self.min_pixels, self.max_pixels = torch.device(device), dtype, min_pixels, max_pixels
         config = _pretrained(AutoConfig, model_name, "model_name (the Qwen2-VL config)")
         if getattr(config, "model_type", None) != "qwen2_vl":
@@ -63,7 +67,8 @@ class HPSv3Reward:
         self.tokenizer = _pretrained(AutoTokenizer, model_name, "model_name (the Qwen2-VL tokenizer)")
         if len(self.tokenizer) <= 10:
             raise FileNotFoundError(
-                f"hpsv3: the tokenizer of {model_name!r} has {len(self.tokenizer)} tokens (an empty download); pass a complete model folder"
+                f"hpsv3: the tokenizer of {model_name!r} has {len(self.tokenizer)} tokens (an empty download); "
+                "pass a complete model folder"
             )
         if fmt.REWARD_TOKEN not in self.tokenizer.get_vocab():  # as the release adds it before training
             self.tokenizer.add_special_tokens({"additional_special_tokens": [fmt.REWARD_TOKEN]})
@@ -78,8 +83,8 @@ class HPSv3Reward:
         rows = backbone["language_model.embed_tokens.weight"].shape[0]
         if rows <= self.reward_token_id:
             raise ValueError(
-                f"hpsv3: checkpoint embedding has {rows} rows but {fmt.REWARD_TOKEN} is token {self.reward_token_id} of "
-                f"{model_name!r}'s tokenizer; pass the tokenizer the checkpoint was trained with ({fmt.BASE_MODEL})"
+                f"hpsv3: checkpoint embedding has {rows} rows but {fmt.REWARD_TOKEN} is token {self.reward_token_id} "
+                f"of {model_name!r}'s tokenizer; pass the tokenizer the checkpoint was trained with ({fmt.BASE_MODEL})"
             )
         text.vocab_size = rows
         config.vision_config.hidden_size = text.hidden_size  # the merger's output is the language model's input
@@ -137,13 +142,16 @@ class HPSv3Reward:
         wrong = (at_reward.sum(1) != 1) | (at_image.sum(1) != gh * gw // self.merge**2)
         if wrong.any():
             raise ValueError(
-                f"hpsv3: prompt {int(wrong.nonzero()[0])} contains {fmt.REWARD_TOKEN} or <|image_pad|>; remove the token from it"
+                f"hpsv3: prompt {int(wrong.nonzero()[0])} contains {fmt.REWARD_TOKEN} or <|image_pad|>; "
+                "remove the token from it"
             )
         vision = self.model.visual(fmt.patches(pixels, self.patch, self.merge, self.temporal), grid_thw=grid)
         image_embeds = vision if isinstance(vision, torch.Tensor) else vision.pooler_output  # [N * tokens, D]
         embeds = self.model.get_input_embeddings()(ids)  # [N, L, D]
         embeds = embeds.masked_scatter(at_image[..., None], image_embeds.to(embeds.dtype))
-        hidden = self.model.language_model(inputs_embeds=embeds, attention_mask=tokens["attention_mask"], use_cache=False)
+        hidden = self.model.language_model(
+            inputs_embeds=embeds, attention_mask=tokens["attention_mask"], use_cache=False
+        )
         hidden = hidden.last_hidden_state  # [N, L, D]; positions 0..L-1 as the release runs it
         out = self.head(hidden[at_reward].to(self.head[0].weight.dtype))  # [N, 2]: mu, log sigma
         return RewardOutput(scores=out[:, 0].float(), parts={"log_sigma": out[:, 1].detach().float()})

@@ -54,7 +54,8 @@ def _find(path: str | None, filename: str, field: str) -> str:
         return download_file(REPO, filename, f"imagereward: {field}")
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"imagereward: {field}={path!r} does not exist; pass the path of {filename}, or leave {field} unset to use {REPO}'s"
+            f"imagereward: {field}={path!r} does not exist; pass the path of {filename}, or leave {field} unset "
+            f"to use {REPO}'s"
         )
     return path
 
@@ -69,7 +70,9 @@ def load_imagereward(checkpoint: str, med_config: str, vision_num_heads: int | N
     with open(med_config) as f:
         med = json.load(f)
     vision = {
-        map_vision_key(k[len("blip.visual_encoder.") :]): v for k, v in state.items() if k.startswith("blip.visual_encoder.")
+        map_vision_key(k[len("blip.visual_encoder.") :]): v
+        for k, v in state.items()
+        if k.startswith("blip.visual_encoder.")
     }
     text = {
         k[len("blip.text_encoder.") :]: v
@@ -79,7 +82,8 @@ def load_imagereward(checkpoint: str, med_config: str, vision_num_heads: int | N
     head = {k[len("mlp.") :]: v for k, v in state.items() if k.startswith("mlp.")}
     if not vision or not text or not head:
         raise ValueError(
-            f"imagereward: {checkpoint!r} lacks blip.visual_encoder/blip.text_encoder/mlp weights; pass the official ImageReward.pt"
+            f"imagereward: {checkpoint!r} lacks blip.visual_encoder/blip.text_encoder/mlp weights; "
+            "pass the official ImageReward.pt"
         )
     width = vision["embeddings.class_embedding"].shape[-1]
     patch = vision["embeddings.patch_embedding.weight"].shape[-1]
@@ -139,19 +143,29 @@ class ImageRewardReward:
             _find(med_config, "med_config.json", "med_config"),
             vision_num_heads,
         )
-        self.vision, self.text, self.head = (m.to(self.device, dtype).requires_grad_(False) for m in (vision, text, head))
+        self.vision, self.text, self.head = (
+            m.to(self.device, dtype).requires_grad_(False) for m in (vision, text, head)
+        )
         self.preprocess = ImagePreprocess(size)  # CLIP mean/std, bicubic resize + center crop, as the package
         if not os.path.isdir(tokenizer):  # a hub id such as bert-base-uncased
             if "/" in tokenizer and not is_hub_id(tokenizer):
-                raise FileNotFoundError(f"imagereward: tokenizer folder {tokenizer!r} does not exist; pass a folder or a hub id")
+                raise FileNotFoundError(
+                    f"imagereward: tokenizer folder {tokenizer!r} does not exist; pass a folder or a hub id"
+                )
             # the vocabulary first: offline, transformers 5 returns an almost empty tokenizer instead of raising
             download_file(tokenizer, "vocab.txt", "imagereward: tokenizer")
-        with hub_errors(tokenizer, "imagereward: tokenizer") if not os.path.isdir(tokenizer) else contextlib.nullcontext():
+        with (
+            hub_errors(tokenizer, "imagereward: tokenizer")
+            if not os.path.isdir(tokenizer)
+            else contextlib.nullcontext()
+        ):
             self.tokenizer = BertTokenizer.from_pretrained(tokenizer)
-        self.tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})  # BLIP's init_tokenizer
+        # BLIP's init_tokenizer
+        self.tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
         if len(self.tokenizer) != text.config.vocab_size:
             raise ValueError(
-                f"imagereward: tokenizer {tokenizer!r} has {len(self.tokenizer)} tokens, med_config expects {text.config.vocab_size}; use bert-base-uncased"
+                f"imagereward: tokenizer {tokenizer!r} has {len(self.tokenizer)} tokens, med_config expects "
+                f"{text.config.vocab_size}; use bert-base-uncased"
             )
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:

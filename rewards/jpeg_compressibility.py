@@ -19,7 +19,8 @@ from flowrl.types import RewardOutput
 
 def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     """JPEG size of each image in kB (bytes / 1000), from 8-bit RGB as DDPO encodes it. -> [N] float32"""
-    pixels = (images.detach() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # [N, H, W, 3]
+    # [N, H, W, 3]
+    pixels = (images.detach() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     sizes = []
     for array in pixels:
         buffer = io.BytesIO()

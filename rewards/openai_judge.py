@@ -76,7 +76,9 @@ class OpenAIJudgeReward:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"{where} must be the endpoint's http(s) URL, e.g. http://127.0.0.1:8000/v1")
         if not model:
-            raise ValueError("openai_judge model is empty; pass the served model's name (vLLM: its --served-model-name)")
+            raise ValueError(
+                "openai_judge model is empty; pass the served model's name (vLLM: its --served-model-name)"
+            )
         if reply_format not in PATTERNS:
             raise ValueError(f"openai_judge reply_format={reply_format!r} must be one of {', '.join(PATTERNS)}")
         if template is not None and "{prompt}" not in template:

@@ -34,7 +34,9 @@ class PerFrameReward:
             raise ValueError(f"per_frame: every_k_frames={every_k_frames} must be >= 1")
         self.inner = REWARDS.build(reward, device=device, dtype=dtype, **(reward_config or {}))
         if "image" not in self.inner.modalities:
-            raise ValueError(f"per_frame: reward {reward!r} scores {self.inner.modalities}, not images; wrap an image reward")
+            raise ValueError(
+                f"per_frame: reward {reward!r} scores {self.inner.modalities}, not images; wrap an image reward"
+            )
         self.differentiable = bool(self.inner.differentiable)
         self.reduce, self.every_k_frames = reduce, int(every_k_frames)
 

@@ -62,7 +62,8 @@ class PickScoreReward:
         self.tokenizer = processor.tokenizer
         if len(self.tokenizer) <= 10:
             raise FileNotFoundError(
-                f"pickscore: the tokenizer of {processor_name or model_name!r} has {len(self.tokenizer)} tokens (an empty download); pass a complete processor folder"
+                f"pickscore: the tokenizer of {processor_name or model_name!r} has {len(self.tokenizer)} tokens "
+                "(an empty download); pass a complete processor folder"
             )
         image_processor = processor.image_processor
         self.resize = _pixel_size(image_processor.size)
@@ -82,7 +83,9 @@ class PickScoreReward:
         pixel_values = self._pixels(images.to(self.device, self.dtype))
         image_embeds = normalized(features(self.model.get_image_features(pixel_values=pixel_values)))  # [N, D]
         with torch.no_grad():
-            tokens = self.tokenizer(prompts, padding=True, truncation=True, max_length=77, return_tensors="pt").to(self.device)
+            tokens = self.tokenizer(prompts, padding=True, truncation=True, max_length=77, return_tensors="pt").to(
+                self.device
+            )
             text_embeds = normalized(features(self.model.get_text_features(**tokens)))  # [N, D]
         scores = self.model.logit_scale.exp() * (image_embeds * text_embeds).sum(-1)  # [N]
         return RewardOutput(scores=scores.float())

@@ -79,7 +79,9 @@ class RemoteFlowGRPOReward:
         timeout_s: float = 120.0,
     ):
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"remote_flowgrpo url={url!r} must be the server's http(s) URL, e.g. http://127.0.0.1:18085")
+            raise ValueError(
+                f"remote_flowgrpo url={url!r} must be the server's http(s) URL, e.g. http://127.0.0.1:18085"
+            )
         if unsafe_unpickle is not True:
             raise ValueError(
                 "remote_flowgrpo answers are pickles, which can run code of whoever controls the server: set "
@@ -87,7 +89,9 @@ class RemoteFlowGRPOReward:
                 "use reward remote)"
             )
         if not 1 <= jpeg_quality <= 100:
-            raise ValueError(f"remote_flowgrpo jpeg_quality={jpeg_quality} must be in [1, 100] (flow_grpo's clients: 95)")
+            raise ValueError(
+                f"remote_flowgrpo jpeg_quality={jpeg_quality} must be in [1, 100] (flow_grpo's clients: 95)"
+            )
         self.url, self.score_key, self.extra = url, score_key, dict(extra or {})
         self.jpeg_quality, self.timeout_s = jpeg_quality, timeout_s
 
@@ -114,7 +118,8 @@ class RemoteFlowGRPOReward:
         if scores is None or len(scores) != len(prompts):
             keys = sorted(answer) if isinstance(answer, dict) else type(answer).__name__
             raise RuntimeError(
-                f"{where}: the answer has no {len(prompts)} scores under {self.score_key!r} (it holds {keys}); set score_key"
+                f"{where}: the answer has no {len(prompts)} scores under {self.score_key!r} (it holds {keys}); "
+                "set score_key"
             )
         values = [float("nan") if s is None else float(s) for s in scores]
         return RewardOutput(scores=torch.tensor(values, dtype=torch.float32))

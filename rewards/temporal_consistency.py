@@ -23,7 +23,11 @@ class TemporalConsistencyReward:
     extra_requires = ("open-clip-torch",)
 
     def __init__(
-        self, device: Any = "cpu", dtype: torch.dtype = torch.float32, model_name: str = "ViT-B-32", pretrained: str | None = None
+        self,
+        device: Any = "cpu",
+        dtype: torch.dtype = torch.float32,
+        model_name: str = "ViT-B-32",
+        pretrained: str | None = None,
     ):
         self.device, self.dtype = torch.device(device), dtype
         self.model, _, self.preprocess = load_open_clip(model_name, pretrained, self.device, dtype)
@@ -36,4 +40,6 @@ class TemporalConsistencyReward:
         frames = self.preprocess(images.flatten(0, 1).to(self.device, self.dtype))  # [N*F, 3, S, S]
         embeddings = normalized(self.model.encode_image(frames)).view(n, f, -1)  # [N, F, D]
         similarity = (embeddings[:, 1:] * embeddings[:, :-1]).sum(-1)  # [N, F-1]
-        return RewardOutput(scores=similarity.mean(1).float(), parts={"min_pair": similarity.detach().min(1).values.float()})
+        return RewardOutput(
+            scores=similarity.mean(1).float(), parts={"min_pair": similarity.detach().min(1).values.float()}
+        )

@@ -52,13 +52,17 @@ class ToyAttributesReward:
                 "(leave other_penalty at 0 or use the shipped judge)"
             )
 
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None) -> RewardOutput:
+    def __call__(
+        self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None
+    ) -> RewardOutput:
         from flowrl.toy.judges import judge_input
         from flowrl.toy.world import parse_prompt
 
         images = judge_input(images.to(self.device), self.dtype)  # [N, 3, 32, 32]
         if len(prompts) != images.shape[0]:
-            raise ValueError(f"toy_attributes: {images.shape[0]} images but {len(prompts)} prompts; give one prompt per image")
+            raise ValueError(
+                f"toy_attributes: {images.shape[0]} images but {len(prompts)} prompts; give one prompt per image"
+            )
         labels = torch.tensor([parse_prompt(p).labels for p in prompts], device=self.device)  # [N, 3]
         logits = self.judge(images)
         parts = {

@@ -33,10 +33,14 @@ class ToyExactReward:
 
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, **kwargs: Any):
         if kwargs:
-            raise ValueError(f"toy_exact: unknown option(s) {', '.join(sorted(kwargs))}; it has no weights and no settings")
+            raise ValueError(
+                f"toy_exact: unknown option(s) {', '.join(sorted(kwargs))}; it has no weights and no settings"
+            )
         self.device, self.dtype = torch.device(device), dtype
 
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None) -> RewardOutput:
+    def __call__(
+        self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None
+    ) -> RewardOutput:
         from flowrl.toy.exact import find_blobs
         from flowrl.toy.world import parse_prompt
 

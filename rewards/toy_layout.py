@@ -59,7 +59,9 @@ class _LayoutReward:
 
 @REWARDS.register("toy_size")
 class ToySizeReward(_LayoutReward):
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None) -> RewardOutput:
+    def __call__(
+        self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None
+    ) -> RewardOutput:
         parts, _ = self._parts(images, prompts, metadata)
         return RewardOutput(scores=parts["mean_area"], parts=parts)
 
@@ -68,10 +70,14 @@ class ToySizeReward(_LayoutReward):
 class ToyMidlineReward(_LayoutReward):
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, band: float = 3.0):
         if not 0 < float(band) < 16:
-            raise ValueError(f"toy_midline: band={band} must be in (0, 16) pixels; the default 3 gives a base rate of ~11%")
+            raise ValueError(
+                f"toy_midline: band={band} must be in (0, 16) pixels; the default 3 gives a base rate of ~11%"
+            )
         super().__init__(device, dtype)
         self.band = float(band)
 
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None) -> RewardOutput:
+    def __call__(
+        self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None
+    ) -> RewardOutput:
         parts, offset = self._parts(images, prompts, metadata)
         return RewardOutput(scores=(offset <= self.band).float().to(self.device), parts=parts)

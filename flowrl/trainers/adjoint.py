@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -37,7 +36,7 @@ from flowrl.seeds import adjoint_order_generator, step_generator
 from flowrl.sigma_range import trainable_steps
 from flowrl.training.clock import timed
 from flowrl.training.distributed import make_accelerator
-from flowrl.training.loop import step_metrics, train_loop
+from flowrl.training.loop import step_metrics
 from flowrl.training.optim import OptimizerConfig
 from flowrl.types import Rollout, select_cond
 
@@ -123,11 +122,11 @@ class AdjointMatchingTrainer:
         # the base velocity: LoRA switched off, or (full fine-tuning) a frozen copy of the starting weights; scored in
         # the recipe's own step (with the reward's gradient)
         acc = accelerator or make_accelerator(cfg)
-        self.parts = parts = kit.build_parts(cfg, acc, type(self), scored=False, base_copy=True)
+        self.parts = parts = kit.build_parts(cfg, acc, type(self), scored=False)
         flat = [name for name, r in parts.rewards.items() if not r.differentiable]
         if flat:  # a reward whose instance is not differentiable (a backend choice, e.g. artifact's vlm)
             raise ValueError(not_differentiable(flat))
-        self.guidance = kit.refuse_cfg("adjoint_matching", parts, "rolls out the model's own memoryless SDE")
+        self.guidance = kit.refuse_cfg(type(self), parts, "rolls out the model's own memoryless SDE")
 
     @contextlib.contextmanager
     def base_model(self):
@@ -235,14 +234,3 @@ class AdjointMatchingTrainer:
         if clipped:
             metrics["train/clipped_fraction"] = float(torch.stack(clipped).mean())
         return metrics | parts.opt.metrics()
-
-    # ------------------------------------------------------------------------------------------ state and loop
-    def own_state(self) -> tuple[dict, dict]:
-        return {}, {}
-
-    def load_own_state(self, saved: dict, path: Path) -> None:
-        """Nothing of its own: the base is the adapter switched off, or the frozen copy of the starting weights."""
-
-    def train(self) -> dict:
-        """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""
-        return train_loop(self, "adjoint_matching")

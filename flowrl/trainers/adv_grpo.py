@@ -18,7 +18,6 @@ GRPO's recipe (flowrl/trainers/grpo.py; Flow-GRPO-Fast is its sampler's SDE wind
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -28,9 +27,7 @@ from flowrl import work
 from flowrl.config import RunConfig
 from flowrl.trainers.grpo import GRPOConfig, GRPOTrainer
 from flowrl.training.adversarial import NAME, AdversarialConfig, AdversarialReward, References, schedule_step, validate
-from flowrl.training.checkpoint import read_group
 from flowrl.training.clock import timed
-from flowrl.training.loop import train_loop
 from flowrl.training.scoring import MeteredReward, Scorer
 
 RM_GROUP = "adversarial_rm"  # the RM's head and Adam moments beside the weights
@@ -90,6 +87,7 @@ class AdvGRPOTrainer(GRPOTrainer):
         )
         parts.weights = {**parts.weights, NAME: a.weight}
         parts.counters.setdefault("rm_missing_references", 0)
+        parts.kept[RM_GROUP] = self.rm  # its head and Adam moments (a tensor group) and version
 
     def train_step(self) -> dict[str, float]:
         parts, t, a = self.parts, self.parts.cfg.train, self.parts.cfg.train.adversarial
@@ -137,18 +135,3 @@ class AdvGRPOTrainer(GRPOTrainer):
             "train/rm_reference_mean": ref_mean,
         }
         return kit.finish_step(parts, exp, metrics, tic.seconds())  # 7. Log
-
-    # ------------------------------------------------------------------------------------------ state and loop
-    def own_state(self) -> tuple[dict, dict]:
-        """GRPO's, and the RM: its head and Adam moments (a tensor group) and version."""
-        groups, extra = super().own_state()
-        tensors, extra["adversarial_rm"] = self.rm.state()
-        return groups | {RM_GROUP: tensors}, extra
-
-    def load_own_state(self, saved: dict, path: Path) -> None:
-        super().load_own_state(saved, path)
-        self.rm.load(read_group(path, RM_GROUP), saved["adversarial_rm"])
-
-    def train(self) -> dict:
-        """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""
-        return train_loop(self, "adv_grpo")

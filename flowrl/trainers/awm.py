@@ -17,7 +17,6 @@ On policy, from any sampler's clean endpoints x0 and time grid. Two LoRA adapter
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -27,10 +26,9 @@ from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
 from flowrl.losses import AWM_WEIGHTINGS, awm_log_prob, awm_policy_loss, velocity_kl
 from flowrl.sigma_range import trainable_steps
-from flowrl.training.checkpoint import load_group_into
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
-from flowrl.training.loop import RecipeConfig, train_loop
+from flowrl.training.loop import RecipeConfig
 from flowrl.types import select_cond
 
 KL_EMA = "kl_ema"  # the adapter the EMA-KL term pulls toward; the trained one is "default"
@@ -124,9 +122,8 @@ class AWMTrainer:
         if why := self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
             raise ValueError(why)
         self.parts = parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), type(self), adapters=(KL_EMA,))
-        self.kl_ema_params = parts.model.adapter_parameters(KL_EMA)
         self.guidance = kit.sampler_guidance(parts)  # CFG rollouts train the guided velocity (AWM's `train.cfg`)
-        self.reward_grads = kit.reward_gradients(parts, one_optimizer_step(t), t.adv_clip_max)  # affine where ρ ≡ 1
+        kit.reward_gradients(parts, one_optimizer_step(t), t.adv_clip_max)  # affine where ρ ≡ 1
 
     def train_step(self) -> dict[str, float]:
         parts, t = self.parts, self.parts.cfg.train
@@ -172,7 +169,7 @@ class AWMTrainer:
     def _optimise(self, x0, sigmas, cond, advantages, per_reward, keep, times, noises) -> dict[str, float]:
         """The AWM loss at each sample's K times, the mean over the kept items of an optimizer step's minibatches. With
         per-reward gradients (MARBLE; per_reward [K, N]) each reward's policy term is backpropagated on its own."""
-        parts, grads = self.parts, self.reward_grads
+        parts, grads = self.parts, self.parts.reward_grads
         t, acc, n, k = parts.cfg.train, parts.accelerator, parts.local_n, times.shape[1]
         gen = seed_formulas.step_generator(parts.cfg.seed, parts.step)
         orders = [torch.randperm(n, generator=gen) for _ in range(t.num_inner_epochs)]
@@ -180,8 +177,7 @@ class AWMTrainer:
         old = self._old_log_probs(later, x0, sigmas, cond, times, noises) if len(later) else None
         first, args = parts.opt.optimizer_steps, (t.adv_clip_max, t.advantage_max, t.clip_range)
         anchors = ((t.kl_coef, None), (t.ema_kl_coef, KL_EMA))  # β: the reference (adapters off); γ: the EMA-KL anchor
-        stats: dict[str, list[torch.Tensor]] = {}
-        steps = kit.OptimizerSteps(parts, grads)
+        steps = kit.OptimizerSteps(parts)
         for mb in steps(orders, per_reward):
             index, keep_b, per_reward_b = mb.index, keep[mb.index].float(), per_reward[:, mb.index]  # [b], [b], [K, b]
             adv_b = grads.advantages(advantages[index], per_reward_b)  # [b]; MARBLE: Σ_k ᾱ_k A_k
@@ -202,24 +198,5 @@ class AWMTrainer:
                 loss, boundary = (per_item * keep_b).sum() / norm, j == k - 1 and mb.closes_step
                 grads.backward_step(loss, policy_of, per_reward_b, outside, boundary)
                 steps.losses.append(per_item.detach().mean())
-                values = {"policy_loss": policy, "kl": kl, "ema_kl": ema_kl, "ratio": s["ratio"], "weighted_error": -log_p}
-                for key, value in values.items():
-                    if value is not None:
-                        stats.setdefault(key, []).append(value.detach().double().mean())
-        out = {"train/loss": float(torch.stack(steps.losses).mean())}
-        out |= {f"train/{key}": float(torch.stack(v).mean()) for key, v in stats.items()}
-        return out | parts.opt.metrics() | grads.metrics()
-
-    # ------------------------------------------------------------------------------------------ state and loop
-    def own_state(self) -> tuple[dict, dict]:
-        """The EMA-KL anchor (a tensor group beside the weights), MARBLE's ᾱ and refresh clock."""
-        return {"adapter_kl_ema": self.kl_ema_params}, {"kit.reward_gradients": self.reward_grads.state_dict()}
-
-    def load_own_state(self, saved: dict, path: Path) -> None:
-        load_group_into(path, "adapter_kl_ema", self.kl_ema_params)
-        if "kit.reward_gradients" in saved:
-            self.reward_grads.load_state_dict(saved["kit.reward_gradients"])
-
-    def train(self) -> dict:
-        """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""
-        return train_loop(self, "awm")
+                steps.record({"policy_loss": policy, "kl": kl, "ema_kl": ema_kl, "ratio": s["ratio"], "weighted_error": -log_p})
+        return steps.metrics()

@@ -19,7 +19,6 @@ reference, optionally the sampling policy). Stage 6 is DGPO's, the rest the kit'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -29,10 +28,9 @@ from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
 from flowrl.losses import dgpo_loss, dsm_loss, velocity_kl
 from flowrl.sigma_range import trainable_steps
-from flowrl.training.checkpoint import load_group_into
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
-from flowrl.training.loop import RecipeConfig, train_loop
+from flowrl.training.loop import RecipeConfig
 from flowrl.types import select_cond
 
 EMA_REF = "ema_ref"  # the fast EMA of θ; the trained adapter is "default"
@@ -124,10 +122,8 @@ class DGPOTrainer:
                 f"train.num_minibatches={m} splits prompt groups ({n} samples a process, group_size={g}): dgpo's group "
                 "score needs whole groups in a minibatch; set it to 1 or a divisor of the groups each process holds"
             )
-        self.ema_ref_params = parts.model.adapter_parameters(EMA_REF)
         self.base_used = not t.use_ema_ref or t.kl_coef > 0  # the frozen base: the DGPO reference, the KL anchor or both
-        rollout = kit.sampler_guidance(parts)
-        self.guidance = 1.0 if parts.model.uses_cfg(rollout) else rollout  # the policy trains CFG-free
+        self.guidance = kit.policy_guidance(parts)  # the policy trains CFG-free
         self.ref_guidance = self.guidance if t.ref_guidance_scale is None else t.ref_guidance_scale
         if parts.model.uses_cfg(self.ref_guidance) and getattr(parts.model, "conditioning", None) is not None:
             raise ValueError(f"train.ref_guidance_scale={t.ref_guidance_scale}: a CFG reference needs a text-only model")
@@ -176,7 +172,6 @@ class DGPOTrainer:
         b = parts.cfg.data.num_prompts_per_step  # the step's groups: ids 0..B − 1 on every process
         orders = [group_order(group_ids, b, gen) for _ in range(t.num_inner_epochs)]
         gather, use_old = acc.gather if acc.num_processes > 1 else None, t.use_clip or t.use_ema_ref
-        stats: dict[str, list[torch.Tensor]] = {}
         steps, taken, decay = kit.OptimizerSteps(parts), parts.opt.optimizer_steps, 0.0
         for mb in steps(orders):
             if parts.opt.optimizer_steps != taken:
@@ -201,25 +196,9 @@ class DGPOTrainer:
                 per_item = per_sample.float() + (t.kl_coef * kl if kl is not None else 0.0)
                 parts.opt.backward((per_item * keep_b).sum() / norm, boundary=j == k - 1 and mb.closes_step)
                 steps.losses.append(per_item.detach().mean())
-                values = {"dsm_loss": ell, "dsm_ref_loss": ell_ref, "kl": kl, "ratio": s["ratio"]}
-                values |= {"group_score": s["group_score"], "group_weight": s["group_weight"], "clip_fraction": s["clipped"]}
-                for key, value in values.items():
-                    if value is not None:
-                        stats.setdefault(key, []).append(value.detach().double().mean())
+                steps.record({"dsm_loss": ell, "dsm_ref_loss": ell_ref, "kl": kl, "ratio": s["ratio"]})
+                steps.record({"group_score": s["group_score"], "group_weight": s["group_weight"]})
+                steps.record({"clip_fraction": s["clipped"]})
         if parts.opt.optimizer_steps != taken:
             decay = self._follow()
-        out = {"train/loss": float(torch.stack(steps.losses).mean()), "train/ema_ref_decay": decay}
-        out |= {f"train/{key}": float(torch.stack(v).mean()) for key, v in stats.items()}
-        return out | parts.opt.metrics()
-
-    # ------------------------------------------------------------------------------------------ state and loop
-    def own_state(self) -> tuple[dict, dict]:
-        """The fast EMA reference (a tensor group beside the weights)."""
-        return {"adapter_ema_ref": self.ema_ref_params}, {}
-
-    def load_own_state(self, saved: dict, path: Path) -> None:
-        load_group_into(path, "adapter_ema_ref", self.ema_ref_params)
-
-    def train(self) -> dict:
-        """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""
-        return train_loop(self, "dgpo")
+        return steps.metrics() | {"train/ema_ref_decay": decay}

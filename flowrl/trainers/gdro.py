@@ -19,7 +19,6 @@ prompt by the reference model with the run's sampler, scored once. A step rolls 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -32,7 +31,7 @@ from flowrl.models.conditioning import encode_prompts
 from flowrl.samplers._rollout import resolve_size
 from flowrl.training.clock import timed
 from flowrl.training.distributed import make_accelerator
-from flowrl.training.loop import RecipeConfig, step_metrics, train_loop
+from flowrl.training.loop import RecipeConfig, step_metrics
 from flowrl.training.pool import build_pool
 from flowrl.training.prompts import load_prompt_records
 from flowrl.types import select_cond
@@ -136,8 +135,7 @@ class GDROTrainer:
         self.prompt_index = {p: i for i, p in reversed(list(enumerate(prompts)))}  # a repeated prompt: its first pool
         self.pool = build_pool(cfg, acc, parts.model, parts.sampler, parts.rewards, prompts, self.metadata)
         self.offline_work = dict(self.pool.manifest["work"])  # billed at the first step (flowrl plan leaves it out)
-        rollout = kit.sampler_guidance(parts)
-        self.guidance = 1.0 if parts.model.uses_cfg(rollout) else rollout  # the policy trains CFG-free
+        self.guidance = kit.policy_guidance(parts)  # the policy trains CFG-free
 
     def train_step(self) -> dict[str, float]:
         parts, t, cfg = self.parts, self.parts.cfg.train, self.parts.cfg
@@ -177,7 +175,7 @@ class GDROTrainer:
         parts, t, model = self.parts, self.parts.cfg.train, self.parts.model
         b, k, shape = x0.shape[0], x0.shape[1], tuple(x0.shape[2:])
         sigma_range, draws, seed = model.trainable_sigma_range(), t.num_train_timesteps, parts.cfg.seed
-        steps, stats = kit.OptimizerSteps(parts), {}
+        steps = kit.OptimizerSteps(parts)
         for mb in steps([torch.randperm(b, generator=gen)]):
             rows, m = mb.index, len(mb.rows)
             items, sub_cond = x0[rows].flatten(0, 1), select_cond(cond, rows.repeat_interleave(k))  # [m·k, ...]
@@ -202,20 +200,6 @@ class GDROTrainer:
                 parts.opt.backward(per_group.sum() / norm, boundary=j == draws - 1 and mb.closes_step)
                 steps.losses.append(per_group.detach().mean())
                 signal = st["signal"].double()
-                values = {"dsm_loss": ell, "dsm_ref_loss": ell_ref, "implicit_reward": s, "signal_fraction": signal}
-                values |= {"gdro_loss": group, "reg_loss": reg, "top1_match": (s.argmax(1) == st["top"]).double()}
-                for key, value in values.items():
-                    stats.setdefault(key, []).append(value.detach().double().mean())
-        out = {"train/loss": float(torch.stack(steps.losses).mean())}
-        out |= {f"train/{key}": float(torch.stack(v).mean()) for key, v in stats.items()}
-        return out | parts.opt.metrics()
-
-    # ------------------------------------------------------------------------------------------ state and loop
-    def own_state(self) -> tuple[dict, dict]:  # nothing beside the kit's: the pool is on disk, checked at the start
-        return {}, {}
-
-    def load_own_state(self, saved: dict, path: Path) -> None:  # nothing to load
-        return None
-
-    def train(self) -> dict:
-        return train_loop(self, "gdro")
+                steps.record({"dsm_loss": ell, "dsm_ref_loss": ell_ref, "implicit_reward": s, "signal_fraction": signal})
+                steps.record({"gdro_loss": group, "reg_loss": reg, "top1_match": (s.argmax(1) == st["top"]).double()})
+        return steps.metrics()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -40,10 +39,9 @@ from flowrl.trainers.ais import AISConfig, ais_coefficients
 from flowrl.trainers.guard import RatioControl, ratio_control_error
 from flowrl.trainers.transitions import same_on_every_process, trained_transitions, transition_inputs
 from flowrl.trainers.tree_credit import TreeCreditConfig, shared_counts, transition_advantages
-from flowrl.training.checkpoint import read_group
 from flowrl.training.clock import timed
 from flowrl.training.distributed import Sharding, kept_per_process, make_accelerator
-from flowrl.training.loop import RecipeConfig, train_loop
+from flowrl.training.loop import RecipeConfig
 
 
 @dataclass
@@ -146,8 +144,10 @@ class GRPOTrainer:
                 stacklevel=2,
             )
         # MARBLE's full form only: the clipped ratio loss is not affine in the advantage (RewardGradients says so)
-        self.reward_grads = kit.reward_gradients(parts, affine=False)
+        kit.reward_gradients(parts, affine=False)
         self.bank = MemoryBank(t.tagrpo)  # TAGRPO's past rollouts (empty unless train.tagrpo.bank_size > 0)
+        if t.tagrpo.bank_size > 0:
+            parts.kept[BANK_GROUP] = self.bank  # its latents a tensor group beside the weights
         if t.tagrpo.enabled and t.tagrpo.bank_size > 0 and acc.num_processes > 1:
             raise ValueError(
                 f"train.tagrpo.bank_size={t.tagrpo.bank_size} keeps each process's own rollouts, which one checkpoint "
@@ -175,7 +175,7 @@ class GRPOTrainer:
         transition count) within the minibatch's kept samples, averaged over the accumulated minibatches. The
         leaves of a tree share its edges: each edge of a tree weighs 1 / (the tree's mean edge count per leaf).
         MARBLE (per_reward [K, N]): each reward's clipped loss backpropagated on its own, the KL outside them."""
-        parts, grads = self.parts, self.reward_grads
+        parts, grads = self.parts, self.parts.reward_grads
         t, acc, model, n = parts.cfg.train, parts.accelerator, parts.model, parts.local_n
         gen = seed_formulas.step_generator(parts.cfg.seed, parts.step)
         credit = transition_advantages(rollout, advantages, keep, t.tree, parts.step, parts.cfg.num_steps)
@@ -197,7 +197,7 @@ class GRPOTrainer:
             )
         stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("policy_loss", "kl", "ratio", "clipped", "approx_kl")}
         control = RatioControl(parts, rollout, steps, orders[0], n // t.num_minibatches)  # clip, or guard / dppo
-        optimizer_steps = kit.OptimizerSteps(parts, grads)
+        optimizer_steps = kit.OptimizerSteps(parts)
         for mb in optimizer_steps(orders, per_reward):
             control.next_minibatch()
             rows = mb.rows.tolist()
@@ -263,21 +263,3 @@ class GRPOTrainer:
             **ais_stats,
             **control.metrics(),
         }
-
-    # ------------------------------------------------------------------------------------------ state and loop
-    def own_state(self) -> tuple[dict, dict]:
-        """MARBLE's ᾱ and refresh clock; TAGRPO's memory bank (its latents a tensor group beside the weights)."""
-        groups, extra = {}, {"kit.reward_gradients": self.reward_grads.state_dict()}
-        if self.parts.cfg.train.tagrpo.bank_size > 0:
-            groups[BANK_GROUP], extra["tagrpo_bank"] = self.bank.state()
-        return groups, extra
-
-    def load_own_state(self, saved: dict, path: Path) -> None:
-        if "kit.reward_gradients" in saved:
-            self.reward_grads.load_state_dict(saved["kit.reward_gradients"])
-        if self.parts.cfg.train.tagrpo.bank_size > 0:
-            self.bank.load(read_group(path, BANK_GROUP), saved["tagrpo_bank"])
-
-    def train(self) -> dict:
-        """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""
-        return train_loop(self, "grpo")

@@ -1,25 +1,28 @@
-"""The recipe kit: what every recipe calls, so that a recipe file holds only its config, its `composition_error`,
-its loss stage and its own saved state. A recipe on the kit reads:
+"""The recipe kit: what every recipe calls, so that a recipe file holds only its config, its declarations, its
+`composition_error` and its loss stage. A recipe on the kit reads:
 
     class MyTrainer:
-        config_class = MyConfig                       # extends training.loop.RecipeConfig (optimizer, EMA, splits)
+        config_class = MyConfig                   # extends training.loop.RecipeConfig (optimizer, EMA, splits)
+        name = "my"                               # its TRAINERS key; then what other modules read instead of names:
+        adapter_copies, full_reference_copy, cfg_doubles_train_rows, trains_on = 1, False, False, "endpoints"
 
         def __init__(self, cfg, accelerator=None):
             ... validate cfg.train, raise self.composition_error(...) ...
-            self.parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), type(self))
+            acc = accelerator or make_accelerator(cfg)
+            self.parts = kit.build_parts(cfg, acc, type(self), adapters=("old",))  # saved and restored by the kit
 
         def train_step(self):
-            exp = kit.collect(self.parts)             # 1-5: prompts, rollout, score, gather, balance
+            exp = kit.collect(self.parts)         # 1-5: prompts, rollout, score, gather, balance
             tic = timed(self.parts.accelerator.device)
-            steps = kit.OptimizerSteps(self.parts)    # 6: minibatches, accumulation, clipping, EMA
+            steps = kit.OptimizerSteps(self.parts)  # 6: minibatches, accumulation, clipping, EMA
             for mb in steps([torch.randperm(...)]):
-                loss = ...                            # the recipe's own loss on rows mb.rows
+                loss = ...                        # the recipe's own loss on rows mb.rows
                 self.parts.opt.backward(loss, boundary=mb.closes_step)
                 steps.losses.append(loss.detach())
-            return kit.finish_step(self.parts, exp, exp.metrics | {...}, tic.seconds())   # 7: step metrics
+                steps.record({"my_term": ...})
+            return kit.finish_step(self.parts, exp, exp.metrics | steps.metrics(), tic.seconds())  # 7: step metrics
 
-        own_state(), load_own_state(saved, path)      # what save/resume keep beside the kit's state
-        def train(self): return train_loop(self, "my")
+    kit.train(MyTrainer(cfg))                     # resume, evaluations, checkpoints, the steps
 
 What a component offers a recipe is declared, not looked up by name: a sampler states what its rollouts carry
 (`carries()`), a balancer what it asks of the trainer (`needs()`), in the vocabularies of flowrl.types (CARRIES,
@@ -43,12 +46,19 @@ from flowrl.sigma_range import check_trainable
 from flowrl.training.clock import Clock, timed
 from flowrl.training.distributed import Sharding
 from flowrl.training.evaluation import TrainingEvaluation
-from flowrl.training.loop import RecipeParts, step_metrics
+from flowrl.training.loop import RecipeParts, step_metrics, train_loop
 from flowrl.training.optim import EMA, OptimizerStep
 from flowrl.training.prompts import step_batches
 from flowrl.training.reward_gradients import RewardGradients
 from flowrl.training.runs import RunFolder
-from flowrl.training.scoring import Scorer, Scores, balance_per_reward, build_rewards, rollout_and_score
+from flowrl.training.scoring import (
+    MeteredReward,
+    Scorer,
+    Scores,
+    balance_per_reward,
+    build_rewards,
+    rollout_and_score,
+)
 from flowrl.types import CARRIES, NEEDS, PromptBatch, Rollout
 
 
@@ -84,17 +94,22 @@ def build_parts(
     recipe: type,
     *,
     adapters: tuple[str, ...] = (),
+    frozen_adapters: tuple[str, ...] = (),
     items_per_sample: int = 1,
     whole_groups: bool = False,
     scored: bool = True,
-    base_copy: bool = False,
+    extra_rewards: dict[str, tuple] | None = None,
 ) -> RecipeParts:
-    """Every component of one run of `recipe` (a recipe class), in the order that fixes its random state: the run folder, the
-    sampler, the grouped prompt sampler (every group on one process with `whole_groups`), the model (seeded by
-    cfg.seed, so every process starts from the same adapter) checked against the sampler's trainable steps, copies of
-    its adapter named `adapters` (a recipe's old policy), a frozen copy of the starting weights (`base_copy`), the
-    optimizer step over minibatches of local_n · `items_per_sample` / num_minibatches items, the EMA, the rewards,
-    their scorer (`scored`; a recipe that scores with a gradient scores itself), the balancer and the evaluation."""
+    """Every component of one run of `recipe` (a recipe class), in the order that fixes its random state: the run
+    folder, the sampler, the grouped prompt sampler (every group on one process with `whole_groups`), the model
+    (seeded by cfg.seed, so every process starts from the same adapter) checked against the sampler's trainable steps
+    (the recipe's `trains_on`), copies of its adapter named `adapters` (a recipe's old policy; saved and restored
+    with the run) and `frozen_adapters` (filled by the recipe from elsewhere, e.g. SMOPD's teachers; not saved), a
+    frozen copy of the starting weights (the recipe's `full_reference_copy`, without LoRA), the optimizer step over
+    minibatches of local_n · `items_per_sample` / num_minibatches items, the EMA, the rewards, the balancer, the
+    evaluation, the recipe's `extra_rewards` (name -> (factory(accelerator) -> reward, weight), scored beside the
+    configured ones but not evaluated, e.g. Adv-GRPO's reward model) and the scorer of them all (`scored`; a recipe
+    that scores with a gradient scores itself)."""
     from accelerate.utils import set_seed
 
     t, acc = cfg.train, accelerator
@@ -103,23 +118,35 @@ def build_parts(
     prompt_sampler, local_n = step_batches(cfg, sampler, acc.num_processes, whole_groups)
     set_seed(cfg.seed)  # every process starts from the same adapter
     model = build_policy(cfg.model, acc.device, sharded=Sharding(acc).kind == "fsdp")  # FSDP2: loaded for sharding
-    check_trainable(recipe.trains_on, sampler, model)  # a grid with nothing on the trained module's σ range trains nothing
-    for name in adapters:
+    check_trainable(recipe.trains_on, sampler, model)  # a grid with nothing on the trained σ range trains nothing
+    for name in (*adapters, *frozen_adapters):
         model.copy_adapter("default", name)  # = the reference while LoRA B = 0
     frozen = None
-    if base_copy and not cfg.model.use_lora:  # full fine-tuning: the base is a frozen copy of the starting weights
+    if recipe.full_reference_copy and not cfg.model.use_lora:  # full fine-tuning: a frozen copy of the start
         frozen = copy.deepcopy(model.transformer).requires_grad_(False).eval().to(acc.device)
     items = local_n * items_per_sample // t.num_minibatches
     opt = OptimizerStep(acc, model.transformer, t, items, cfg.model.mixed_precision)
     ema = EMA(opt.names, opt.params, t.ema_decay, t.ema_every_n_steps, t.ema_mode) if t.use_ema else None
     rewards = build_rewards(cfg.rewards, acc.device)
     weights = {r.name: r.weight for r in cfg.rewards}
-    scorer = Scorer(rewards, cfg.on_reward_error, t.use_async_rewards) if scored else None
     balancer = BALANCERS.get(cfg.balancer.name)(**cfg.balancer.kwargs)
     evaluation = TrainingEvaluation(cfg, acc, run, model, rewards, opt, ema)
-    return RecipeParts(
-        cfg, acc, run, sampler, prompt_sampler, local_n, model, opt, ema, rewards, weights, scorer, balancer, evaluation, frozen
+    extra = {name: make(acc) for name, (make, _) in (extra_rewards or {}).items()}
+    weights |= {name: weight for name, (_, weight) in (extra_rewards or {}).items()}
+    scored_rewards = rewards | {name: MeteredReward(reward, name) for name, reward in extra.items()}
+    scorer = Scorer(scored_rewards, cfg.on_reward_error, t.use_async_rewards) if scored else None
+    parts = RecipeParts(
+        cfg, acc, run, sampler, prompt_sampler, local_n, model, opt, ema, rewards, weights, scorer, balancer, evaluation
     )
+    parts.base_copy, parts.extra_rewards = frozen, extra
+    parts.adapters = {name: model.adapter_parameters(name) for name in adapters}  # after sharding: the live tensors
+    return parts
+
+
+def train(recipe) -> dict:
+    """Run a recipe to cfg.num_steps: resume, the base evaluation, its steps with logging, evaluations and
+    checkpoints on their cadences, the final evaluation (flowrl.training.loop.train_loop)."""
+    return train_loop(recipe)
 
 
 def sampler_guidance(parts: RecipeParts) -> float:
@@ -128,24 +155,36 @@ def sampler_guidance(parts: RecipeParts) -> float:
     return parts.model.default_guidance_scale if guidance is None else guidance
 
 
-def refuse_cfg(trainer: str, parts: RecipeParts, why: str) -> float:
+def policy_guidance(parts: RecipeParts) -> float:
+    """The guidance scale a recipe trains the policy's velocity at: the sampler's, or 1.0 where that is
+    classifier-free guidance for this model (the policy trains CFG-free; a distilled guidance embedding, FLUX.1-dev's,
+    is part of the conditional model and is kept)."""
+    guidance = sampler_guidance(parts)
+    return 1.0 if parts.model.uses_cfg(guidance) else guidance
+
+
+def refuse_cfg(recipe: type, parts: RecipeParts, why: str) -> float:
     """The sampler's guidance scale, refused where it is classifier-free guidance for this model (`why`: what the
     recipe does that CFG would break)."""
     guidance = sampler_guidance(parts)
     if parts.model.uses_cfg(guidance):
         raise ValueError(
-            f"trainer: {trainer} {why}: sampler.guidance_scale={guidance} is classifier-free guidance for "
+            f"trainer: {recipe.name} {why}: sampler.guidance_scale={guidance} is classifier-free guidance for "
             f"{parts.model.family}; set it to 1.0"
         )
     return guidance
 
 
 def reward_gradients(parts: RecipeParts, affine: bool, adv_clip_max: float | None = None, probe: bool = False):
-    """The per-reward gradient plumbing of a recipe's stage 6: MARBLE's balancing where the balancer needs per-reward
-    gradients (`affine`: the recipe's loss is affine in the advantage), the cosine probe on request, else one plain
-    backward per minibatch (flowrl/training/reward_gradients.py)."""
+    """The per-reward gradient plumbing of a recipe's stage 6, held by the parts (OptimizerSteps plans its windows;
+    checkpoints keep its state): MARBLE's balancing where the balancer needs per-reward gradients (`affine`: the
+    recipe's loss is affine in the advantage), the cosine probe on request, else one plain backward per minibatch
+    (flowrl/training/reward_gradients.py)."""
     balancer = parts.balancer if "reward_gradients" in parts.balancer.needs() else None
-    return RewardGradients(balancer, parts.opt, parts.accelerator, list(parts.rewards), affine, adv_clip_max, probe)
+    names = list(parts.rewards)
+    grads = RewardGradients(balancer, parts.opt, parts.accelerator, names, affine, adv_clip_max, probe)
+    parts.reward_grads = grads
+    return grads
 
 
 # ------------------------------------------------------------------------------------------ stages 1-5
@@ -228,15 +267,17 @@ class Minibatch:
 class OptimizerSteps:
     """Stage 6's loop: the step's items in minibatches (one permutation per inner epoch, `orders`), an optimizer step
     every `gradient_accumulation_steps` minibatches, then the EMA update. A recipe iterates it, runs its backward calls
-    for each minibatch (`closes_step` marks the last) and appends each backward's loss to `losses`; the optimizer step
-    receives the losses of its window. With `reward_grads` the per-reward gradient window is planned over the
-    minibatches it will train (`per_reward` [K, items]) and combined before the step."""
+    for each minibatch (`closes_step` marks the last) and appends each backward's loss to `losses` (and its terms to
+    `record`); the optimizer step receives the losses of its window, `metrics()` folds them. With the parts' per-reward
+    gradients (`reward_gradients`) the window is planned over the minibatches it will train (`per_reward` [K, items])
+    and combined before the step."""
 
-    def __init__(self, parts: RecipeParts, reward_grads: RewardGradients | None = None):
+    def __init__(self, parts: RecipeParts):
         t = parts.cfg.train
-        self.parts, self.reward_grads = parts, reward_grads
+        self.parts, self.reward_grads = parts, parts.reward_grads
         self.num_minibatches, self.accumulation = t.num_minibatches, t.gradient_accumulation_steps
         self.losses: list[torch.Tensor] = []
+        self.stats: dict[str, list[torch.Tensor]] = {}
 
     def __call__(self, orders: list[torch.Tensor], per_reward: torch.Tensor | None = None) -> Iterator[Minibatch]:
         opt, ema, grads, device = self.parts.opt, self.parts.ema, self.reward_grads, self.parts.accelerator.device
@@ -257,3 +298,18 @@ class OptimizerSteps:
                     losses = self.losses[window:] or [torch.zeros((), device=device)]
                     if opt.step(torch.stack(losses)) and ema is not None:
                         ema.update(opt.params, opt.optimizer_steps)
+
+    def record(self, values: dict[str, torch.Tensor | None], dtype: torch.dtype | None = torch.float64) -> None:
+        """Each term's mean over its rows (in `dtype`; None: its own) for `train/<name>`; None values are skipped."""
+        for key, value in values.items():
+            if value is not None:
+                value = value.detach() if dtype is None else value.detach().to(dtype)
+                self.stats.setdefault(key, []).append(value.mean())
+
+    def metrics(self) -> dict[str, float]:
+        """`train/loss` (the mean of the appended losses), `train/<name>` (the mean of each recorded term), the
+        optimizer's metrics and the per-reward gradients' (where the parts hold them)."""
+        out = {"train/loss": float(torch.stack(self.losses).mean())}
+        out |= {f"train/{key}": float(torch.stack(values).mean()) for key, values in self.stats.items()}
+        out |= self.parts.opt.metrics()
+        return out | (self.reward_grads.metrics() if self.reward_grads is not None else {})

@@ -25,7 +25,6 @@ Only stage 6 (and sampling with θ_old) is NFT's own; everything else is a compo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -35,10 +34,9 @@ from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
 from flowrl.losses import ADV_MODES, nft_loss, velocity_kl
 from flowrl.sigma_range import trainable_steps
-from flowrl.training.checkpoint import load_group_into
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
-from flowrl.training.loop import RecipeConfig, train_loop
+from flowrl.training.loop import RecipeConfig
 from flowrl.types import select_cond
 
 OLD = "old"  # the sampling policy's adapter name; the trained one is "default"
@@ -107,7 +105,7 @@ class NFTTrainer:
     full_reference_copy = False
     cfg_doubles_train_rows = False  # CFG-free (refused in the rollout)
     trains_on = "rollout_steps"  # training times among the rollout's grid times
-    adapters: tuple[str, ...] = (OLD,)  # LoRA adapters beside the trained one (a subclass adds its teachers)
+    frozen_adapters: tuple[str, ...] = ()  # adapters filled from elsewhere, not saved (a subclass's teachers)
 
     @classmethod
     def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
@@ -132,10 +130,10 @@ class NFTTrainer:
         if why := self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
             raise ValueError(why)
         # θ_old = θ (= the reference while LoRA B = 0), a second adapter on the same transformer
-        self.parts = parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), type(self), adapters=self.adapters)
-        self.old_params = parts.model.adapter_parameters(OLD)  # after sharding: the live (possibly sharded) tensors
-        self.guidance = kit.refuse_cfg("nft", parts, "collects data CFG-free and trains the conditional velocity")
-        self.reward_grads = kit.reward_gradients(parts, True, t.adv_clip_max, t.log_reward_gradients)  # MARBLE, the probe
+        acc = accelerator or make_accelerator(cfg)
+        self.parts = parts = kit.build_parts(cfg, acc, type(self), adapters=(OLD,), frozen_adapters=self.frozen_adapters)
+        self.guidance = kit.refuse_cfg(NFTTrainer, parts, "collects data CFG-free and trains the conditional velocity")
+        kit.reward_gradients(parts, True, t.adv_clip_max, t.log_reward_gradients)  # MARBLE, the probe
 
     def train_step(self) -> dict[str, float]:
         parts, t = self.parts, self.parts.cfg.train
@@ -160,12 +158,11 @@ class NFTTrainer:
         and noises come from its own generator (`draws`), so they do not depend on the batch or process count.
         With per-reward gradients (MARBLE, the probe; per_reward [K, N]) each reward's policy loss is backpropagated
         on its own and the KL outside them (flowrl.training.reward_gradients.RewardGradients)."""
-        parts, grads = self.parts, self.reward_grads
+        parts, grads = self.parts, self.parts.reward_grads
         t, acc, model, n = parts.cfg.train, parts.accelerator, parts.model, parts.local_n
         gen = seed_formulas.step_generator(parts.cfg.seed, parts.step)
         names = ("policy_loss", "kl", "r", "positive_loss", "negative_loss")
-        stats: dict[str, list[torch.Tensor]] = {k: [] for k in names}
-        optimizer_steps, epoch = kit.OptimizerSteps(parts, grads), None
+        optimizer_steps, epoch = kit.OptimizerSteps(parts), None
         for mb in optimizer_steps([torch.randperm(n, generator=gen) for _ in range(t.num_inner_epochs)], per_reward):
             if mb.epoch != epoch:  # each epoch's training times, [N, K] grid indices
                 epoch, times = mb.epoch, training_times(draws, sigmas, t.timestep_fraction, trainable_steps(model, sigmas))
@@ -201,25 +198,8 @@ class NFTTrainer:
                     loss, kl = loss + extra, extra if kl is None else kl + extra
                 grads.backward_step(loss, policy, per_reward_b, kl, boundary=j == times.shape[1] - 1 and mb.closes_step)
                 optimizer_steps.losses.append(per_sample.detach().mean())
-                for key in names:
-                    stats[key].append(s[key].mean())
-        out = {"train/loss": float(torch.stack(optimizer_steps.losses).mean())}
-        out |= {f"train/{k}": float(torch.stack(v).mean()) for k, v in stats.items()}
-        return out | parts.opt.metrics() | grads.metrics()
+                optimizer_steps.record({key: s[key] for key in names}, dtype=None)
+        return optimizer_steps.metrics()
 
     def extra_loss(self, x_t, sigma, cond, v_theta) -> torch.Tensor | None:  # [b] beside NFT's, reduced as it, outside
         return None  # the per-reward balancing as the KL (SMOPD's distillation); none here
-
-    # ------------------------------------------------------------------------------------------ state and loop
-    def own_state(self) -> tuple[dict, dict]:
-        """θ_old (a tensor group beside the weights), MARBLE's ᾱ and refresh clock."""
-        return {"adapter_old": self.old_params}, {"kit.reward_gradients": self.reward_grads.state_dict()}
-
-    def load_own_state(self, saved: dict, path: Path) -> None:
-        load_group_into(path, "adapter_old", self.old_params)
-        if "kit.reward_gradients" in saved:
-            self.reward_grads.load_state_dict(saved["kit.reward_gradients"])
-
-    def train(self) -> dict:
-        """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""
-        return train_loop(self, "nft")

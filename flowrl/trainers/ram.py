@@ -27,7 +27,6 @@ Only stage 6 (and sampling with θ_old) is RAM's own; everything else is a compo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -36,10 +35,9 @@ from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
 from flowrl.losses import ram_loss, ram_target
-from flowrl.training.checkpoint import load_group_into
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
-from flowrl.training.loop import RecipeConfig, train_loop
+from flowrl.training.loop import RecipeConfig
 from flowrl.types import select_cond
 
 OLD = "old"  # the rollout policy's adapter name; the trained one is "default"
@@ -128,11 +126,7 @@ class RAMTrainer:
         self.parts = parts = kit.build_parts(
             cfg, acc, type(self), adapters=(OLD,), items_per_sample=t.num_loss_targets_per_sample
         )
-        self.old_params = parts.model.adapter_parameters(OLD)
-        self.rollout_guidance = kit.sampler_guidance(parts)
-        # the loss regresses conditional velocities: true CFG stays in the rollout; a distilled guidance embedding
-        # (FLUX.1-dev) is part of the conditional model and is kept at the sampler's scale
-        self.guidance = 1.0 if parts.model.uses_cfg(self.rollout_guidance) else self.rollout_guidance
+        self.guidance = kit.policy_guidance(parts)  # the loss regresses conditional velocities: CFG stays in the rollout
 
     def train_step(self) -> dict[str, float]:
         parts, t = self.parts, self.parts.cfg.train
@@ -203,15 +197,3 @@ class RAMTrainer:
             x_t, sigma_all[index], select_cond(cond, samples), x0[samples], noise_all[index], advantages[samples]
         )
         return x_t, target
-
-    # ------------------------------------------------------------------------------------------ state and loop
-    def own_state(self) -> tuple[dict, dict]:
-        """θ_old, a tensor group beside the weights."""
-        return {"adapter_old": self.old_params}, {}
-
-    def load_own_state(self, saved: dict, path: Path) -> None:
-        load_group_into(path, "adapter_old", self.old_params)
-
-    def train(self) -> dict:
-        """Run to cfg.num_steps: resume, base eval, steps with logging/eval/checkpoints, final eval."""
-        return train_loop(self, "ram")

@@ -30,10 +30,10 @@ import torch
 import flowrl.trainers.kit as kit
 from flowrl.config import RunConfig, build_config, to_dict
 from flowrl.losses import blended_velocity, velocity_distill_loss
-from flowrl.trainers.nft import OLD, NFTConfig, NFTTrainer
+from flowrl.trainers.nft import NFTConfig, NFTTrainer
 from flowrl.training.clock import timed
 from flowrl.training.distributed import full, like, make_accelerator
-from flowrl.training.loop import metered_step, train_loop
+from flowrl.training.loop import metered_step
 
 
 @dataclass
@@ -166,7 +166,7 @@ class SMOPDTrainer(NFTTrainer):
         self.teacher_manifest = train_teachers(cfg, acc, folder)
         self.offline_work = dict(self.teacher_manifest["work"])  # billed at the first step (flowrl plan leaves it out)
         self.teacher_names = [f"teacher_{i}" for i in range(len(specs))]
-        self.adapters = (OLD, *self.teacher_names)
+        self.frozen_adapters = tuple(self.teacher_names)
         super().__init__(cfg, acc)  # the student: θ and θ_old at the reference, the teachers as extra adapters
         for index, name in enumerate(self.teacher_names):
             saved = torch.load(folder / f"teacher_{index}.pt", map_location="cpu", weights_only=True)
@@ -198,6 +198,3 @@ class SMOPDTrainer(NFTTrainer):
         if first:  # the teachers' work and seconds, billed once (flowrl plan leaves them out of the per-step price)
             metrics |= kit.bill_offline(self.parts, self.teacher_manifest)
         return metrics
-
-    def train(self) -> dict:
-        return train_loop(self, "smopd")

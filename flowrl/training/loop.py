@@ -1,5 +1,5 @@
 """What the run loop, save and resume need from a recipe (`RecipeParts`, `Recipe`), and the loop itself: every
-recipe's `train()` is `train_loop(recipe)`; the stage clocks and the per-step metrics every recipe logs."""
+recipe runs through `train_loop(recipe)` (flowrl.trainers.kit.train); the per-step metrics every recipe logs."""
 
 from __future__ import annotations
 
@@ -9,10 +9,17 @@ from typing import Any, Protocol
 
 import torch
 
-from flowrl.training.checkpoint import resolve_resume, restore_training_state, save_training_state
+from flowrl.training.checkpoint import (
+    load_group_into,
+    read_group,
+    resolve_resume,
+    restore_training_state,
+    save_training_state,
+)
 from flowrl.training.evaluation import TrainingEvaluation
 from flowrl.training.optim import EMA, OptimizerConfig, OptimizerStep
 from flowrl.training.prompts import GroupedPromptSampler
+from flowrl.training.reward_gradients import RewardGradients
 from flowrl.training.runs import RunFolder
 from flowrl.training.scoring import Scorer
 
@@ -37,7 +44,11 @@ class RecipeConfig(OptimizerConfig):
 @dataclass
 class RecipeParts:
     """The components one run of any recipe holds (built by `flowrl.trainers.kit.build_parts`), and its clock: the
-    training step and the counters that checkpoints keep."""
+    training step and the counters that checkpoints keep. What save and resume keep beside the weights, the optimizer
+    and the EMA: the LoRA adapters a recipe holds beside the trained one (`adapters`, each a tensor group
+    `adapter_<name>`), the per-reward gradient state (`reward_grads`, JSON key `kit.reward_gradients`) and the
+    objects a recipe keeps (`kept`: name -> an object with `state()` -> (tensors, JSON state) and `load(tensors,
+    JSON state)`, written as tensor group <name> and JSON key <name>, e.g. TAGRPO's memory bank)."""
 
     cfg: Any  # RunConfig
     accelerator: Any
@@ -48,28 +59,28 @@ class RecipeParts:
     model: Any  # a FlowModel (flowrl.types)
     opt: OptimizerStep
     ema: EMA | None
-    rewards: dict[str, Any]
-    weights: dict[str, float]
+    rewards: dict[str, Any]  # the configured rewards (the evaluation's too)
+    weights: dict[str, float]  # every scored reward's weight, a recipe's extra rewards too
     scorer: Scorer | None  # None for recipes that score in their own step (adjoint matching: with a gradient)
     balancer: Any  # a Balancer (flowrl.types)
     evaluation: TrainingEvaluation
     base_copy: torch.nn.Module | None = None  # a frozen copy of the starting weights, where a recipe asked for one
     step: int = 0
     counters: dict[str, int] = field(default_factory=lambda: {"reward_errors": 0})
+    adapters: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # name -> live (maybe sharded) tensors
+    extra_rewards: dict[str, Any] = field(default_factory=dict)  # a recipe's own scored rewards (Adv-GRPO's RM)
+    reward_grads: RewardGradients | None = None
+    kept: dict[str, Any] = field(default_factory=dict)
 
 
 class Recipe(Protocol):
-    """What `train_loop`, `save_recipe` and `resume_recipe` need from a recipe: its parts (with the step) and its own
-    state beside the kit's: `own_state()` -> (tensor groups, small JSON state) to write, e.g. NFT's old adapter, and
-    `load_own_state(saved trainer state, checkpoint folder)` to read them back."""
+    """What `train_loop`, `save_recipe` and `resume_recipe` need from a recipe: its registry name, its parts (with the
+    step and what checkpoints keep) and its step."""
 
+    name: str
     parts: RecipeParts
 
     def train_step(self) -> dict[str, float]: ...
-
-    def own_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]: ...
-
-    def load_own_state(self, saved: dict, path: Path) -> None: ...
 
 
 def progress_bar(enabled: bool, total: int, initial: int, desc: str):
@@ -107,13 +118,17 @@ def step_metrics(wall: float, rollout_s: float, reward_s: float, optimise_s: flo
 
 
 def save_recipe(recipe: Recipe) -> Path:
-    """A full checkpoint of a recipe: the kit's state (weights, optimizer, EMA, step, counters, RNG, config) and the
-    recipe's own (`own_state()`: tensor groups and JSON extras)."""
+    """A full checkpoint of a recipe: the kit's state (weights, optimizer, EMA, step, counters, RNG, config), the
+    adapters beside the trained one, the per-reward gradient state and the recipe's kept objects (RecipeParts)."""
     from flowrl.config import dump_config
 
     parts = recipe.parts
-    groups, extra = recipe.own_state()
-    state = {"counters": parts.counters, **extra}
+    groups = {f"adapter_{name}": tensors for name, tensors in parts.adapters.items()}
+    state = {"counters": parts.counters}
+    if parts.reward_grads is not None:
+        state["kit.reward_gradients"] = parts.reward_grads.state_dict()
+    for name, kept in parts.kept.items():
+        groups[name], state[name] = kept.state()
     return save_training_state(
         parts.accelerator,
         parts.run.root,
@@ -129,12 +144,17 @@ def save_recipe(recipe: Recipe) -> Path:
 
 
 def resume_recipe(recipe: Recipe, path: str | Path) -> None:
-    """Restore what `save_recipe` wrote: the kit's state, then the recipe's own (`load_own_state`: its tensor groups and
-    JSON state); metric lines logged after the checkpoint's step are forgotten."""
+    """Restore what `save_recipe` wrote: the kit's state, the adapters, the per-reward gradient state and the kept
+    objects; metric lines logged after the checkpoint's step are forgotten."""
     parts = recipe.parts
     state = restore_training_state(path, parts.accelerator, parts.opt, parts.ema, parts.cfg)
     parts.step, parts.counters = int(state["step"]), dict(state["counters"])
-    recipe.load_own_state(state, Path(path))
+    for name, tensors in parts.adapters.items():
+        load_group_into(path, f"adapter_{name}", tensors)
+    if parts.reward_grads is not None and "kit.reward_gradients" in state:
+        parts.reward_grads.load_state_dict(state["kit.reward_gradients"])
+    for name, kept in parts.kept.items():
+        kept.load(read_group(path, name), state[name])
     if parts.accelerator.is_main_process:
         parts.run.forget_after(parts.step)
 
@@ -160,7 +180,7 @@ def metered_step(recipe: Recipe) -> dict[str, float]:
     return metrics
 
 
-def train_loop(recipe: Recipe, label: str) -> dict:
+def train_loop(recipe: Recipe) -> dict:
     """Run a recipe to cfg.num_steps: resume (checkpoint.resume), the run folder and trackers, the base eval, then
     `recipe.train_step()` with logging, evals and checkpoints on their cadences, a last checkpoint and eval."""
     from flowrl.config import dump_config, flatten, to_dict
@@ -175,7 +195,7 @@ def train_loop(recipe: Recipe, label: str) -> dict:
     acc.init_trackers(cfg.name, config=scalars)
     if parts.step == 0:
         parts.evaluation(None)
-    bar = progress_bar(cfg.logging.progress_bar and acc.is_main_process, cfg.num_steps, parts.step, f"{label} {cfg.name}")
+    bar = progress_bar(cfg.logging.progress_bar and acc.is_main_process, cfg.num_steps, parts.step, f"{recipe.name} {cfg.name}")
     history = []
     while parts.step < cfg.num_steps:
         metrics = metered_step(recipe)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flowrl.trainers.kit as kit
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = ROOT / "scripts" / "train.py"
 
@@ -67,7 +69,7 @@ def one_and_two_processes(tmp_path: Path, one: Path) -> tuple[Path, list[list[di
 
     from flowrl.trainers import build_trainer, load_config
 
-    build_trainer(load_config(one)).train()
+    kit.train(build_trainer(load_config(one)))
     two = tmp_path / "two.yaml"
     two.write_text(yaml.safe_dump({**yaml.safe_load(one.read_text()), "name": "two"}))
     launch("cpu_2proc", two)
@@ -97,7 +99,7 @@ def toy_config_run(tmp_path: Path, name: str) -> list[dict]:
         [f"output_dir={tmp_path}", "num_steps=2", "logging.trackers=[]", "logging.progress_bar=false", *small]
         + ["eval.every_n_steps=0", "eval.seeds=[0]", "eval.num_steps=2", "checkpoint.every_n_steps=0"],
     )
-    build_trainer(cfg).train()
+    kit.train(build_trainer(cfg))
     return [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -120,12 +122,12 @@ def straight_and_resumed(
     from flowrl.training.checkpoint import load_checkpoint
 
     straight = make_config(tmp_path / "a", num_steps=steps, **extra)
-    build_trainer(straight).train()
+    kit.train(build_trainer(straight))
     lines = [json.loads(line) for line in (straight.run_dir / "metrics.jsonl").read_text().splitlines()]
-    build_trainer(make_config(tmp_path / "b", num_steps=1, **extra)).train()
+    kit.train(build_trainer(make_config(tmp_path / "b", num_steps=1, **extra)))
     resumed_cfg = make_config(tmp_path / "b", num_steps=steps, **{"checkpoint.resume": "latest"}, **extra)
     resumed = build_trainer(resumed_cfg)
-    resumed.train()
+    kit.train(resumed)
     a, b = (load_checkpoint(c.run_dir / "checkpoints" / f"step_{steps:06d}") for c in (straight, resumed_cfg))
     for key in keys:
         assert_same(a[key], b[key], key)

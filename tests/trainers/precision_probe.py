@@ -12,6 +12,8 @@ from pathlib import Path
 
 from torch.distributed import fsdp
 
+import flowrl.trainers.kit as kit
+
 
 def dtypes(tensors) -> list[str]:
     return sorted({str(t.dtype) for t in tensors})
@@ -31,11 +33,11 @@ if __name__ == "__main__":
 
     fsdp.fully_shard = recording_shard  # accelerate imports it at call time
     trainer = build_trainer(load_config(config, []))
-    trainer.train()
+    kit.train(trainer)
     out = {
         "trainable": dtypes(trainer.parts.opt.params),
         "ema": dtypes(trainer.parts.ema.shadow.values()),
-        "old": dtypes(trainer.old_params.values()),
+        "old": dtypes(trainer.parts.adapters["old"].values()),
         "policies": policies,
     }
     (folder / f"precision_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(out))

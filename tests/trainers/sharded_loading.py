@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch.distributed import fsdp
 
+import flowrl.trainers.kit as kit
+
 
 def watched(module) -> str | None:
     from diffusers.models.modeling_utils import ModelMixin
@@ -64,6 +66,6 @@ if __name__ == "__main__":
     events: list = []
     record(events)
     trainer = build_trainer(load_config(config, []))
-    trainer.train()
+    kit.train(trainer)
     out = {"events": events, "device": str(trainer.parts.accelerator.device), **placement(trainer.parts.model)}
     (folder / f"placement_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(out))

@@ -10,6 +10,7 @@ import yaml
 from launching import launch
 from test_nft_processes import grad_norms, max_difference, tensors
 
+import flowrl.trainers.kit as kit
 from flowrl.trainers import build_trainer, load_config
 
 STEPS = 2
@@ -72,7 +73,7 @@ def test_two_gloo_processes_match_one_process(tmp_path, recipe):
     data = {**BASE, **RECIPES[recipe], "output_dir": str(tmp_path / "runs"), "checkpoint": {"every_n_steps": 0, "keep_last": 1}}
     one = tmp_path / "one.yaml"
     one.write_text(yaml.safe_dump({**data, "name": "one"}))
-    build_trainer(load_config(one)).train()
+    kit.train(build_trainer(load_config(one)))
     two = tmp_path / "two.yaml"
     two.write_text(yaml.safe_dump({**data, "name": "two"}))
     launch("cpu_2proc", two)

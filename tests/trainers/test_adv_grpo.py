@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from test_grpo_processes import write_config
 from test_trainer_contract import assert_same, toy_config
 
+import flowrl.trainers.kit as kit
 from flowrl.trainers import build_trainer, load_config
 from flowrl.training.adversarial import (
     AdversarialConfig,
@@ -208,7 +209,7 @@ def test_the_toy_config_runs(tmp_path):
         [f"output_dir={tmp_path}", "num_steps=2", "logging.trackers=[]", "logging.progress_bar=false", *small]
         + ["eval.seeds=[0]", "eval.num_steps=2", "checkpoint.every_n_steps=0"],
     )
-    build_trainer(cfg).train()
+    kit.train(build_trainer(cfg))
     lines = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["train/rm_version"] for x in lines] == [1.0, 2.0] and all(x["train/rm_missing_references"] == 0 for x in lines)
     assert all(math.isfinite(x["train/loss"]) and math.isfinite(x["reward/adversarial/mean"]) for x in lines)

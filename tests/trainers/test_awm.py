@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from test_grpo_processes import write_config
 from test_trainer_contract import assert_same, toy_config, trainable
 
+import flowrl.trainers.kit as kit
 from flowrl.losses import awm_log_prob, awm_policy_loss, awm_weighting
 from flowrl.trainers import build_trainer
 from flowrl.trainers.awm import KL_EMA, training_draws
@@ -155,15 +156,15 @@ def test_a_toy_step_is_on_policy_and_moves_the_ema_kl_anchor_by_hand(tmp_path):
             assert torch.equal(model.velocity(x, sigma, cond, 1.0), v_theta)  # both adapters start at LoRA B = 0
         with model.adapter_disabled():
             assert torch.equal(model.velocity(x, sigma, cond, 1.0), v_theta)
-    anchor = {k: p.detach().clone() for k, p in trainer.kl_ema_params.items()}
+    anchor = {k: p.detach().clone() for k, p in trainer.parts.adapters["kl_ema"].items()}
     metrics = trainer.train_step()
     assert metrics["train/ratio"] == 1.0 and metrics["train/kl_ema_decay"] == 0.25  # min(0.3, 0.25 · 1 step)
     assert metrics["train/kl"] >= 0 and metrics["train/ema_kl"] == 0.0  # the anchor was θ during the step
     theta = model.adapter_parameters("default")
-    for name, p in trainer.kl_ema_params.items():  # θ_kl_ema ← d·θ_kl_ema + (1 − d)·θ
+    for name, p in trainer.parts.adapters["kl_ema"].items():  # θ_kl_ema ← d·θ_kl_ema + (1 − d)·θ
         hand = 0.25 * anchor[name] + 0.75 * theta[name.replace(f".{KL_EMA}.", ".default.")].detach()
         assert torch.allclose(p, hand, rtol=0, atol=1e-7), name
-    assert any(float(p.abs().max()) > 0 for n, p in trainer.kl_ema_params.items() if "lora_B" in n)
+    assert any(float(p.abs().max()) > 0 for n, p in trainer.parts.adapters["kl_ema"].items() if "lora_B" in n)
     # the EMA-KL term: mean over elements of (v_θ − v_kl_ema)², its gradient 2(v_θ − v_kl_ema)/D through v_θ only
     v = torch.randn(2, *model.latent_shape(32, 32), generator=torch.Generator().manual_seed(1), requires_grad=True)
     with torch.no_grad(), model.using_adapter(KL_EMA):
@@ -179,16 +180,16 @@ def test_off_policy_path_resumes_bit_for_bit(tmp_path):
     """Two optimizer steps a training step (2 minibatches): the second trains on ratios to the old log-probs."""
     extra = {"train.num_minibatches": 2, "data.group_size": 4, "train.clip_range": 1.0}
     straight = awm_config(tmp_path / "a", num_steps=2, **{"checkpoint.every_n_steps": 1}, **extra)
-    build_trainer(straight).train()
+    kit.train(build_trainer(straight))
     lines = [json.loads(line) for line in (straight.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(line["train/optimizer_steps"] == 2 * line["step"] for line in lines)
     assert all(line["train/ratio"] != 1.0 for line in lines)  # the second minibatch's ratios moved off 1
-    build_trainer(awm_config(tmp_path / "b", num_steps=1, **{"checkpoint.every_n_steps": 1}, **extra)).train()
+    kit.train(build_trainer(awm_config(tmp_path / "b", num_steps=1, **{"checkpoint.every_n_steps": 1}, **extra)))
     resumed_cfg = awm_config(
         tmp_path / "b", num_steps=2, **{"checkpoint.every_n_steps": 1, "checkpoint.resume": "latest"}, **extra
     )
     resumed = build_trainer(resumed_cfg)
-    resumed.train()
+    kit.train(resumed)
     a = load_checkpoint(straight.run_dir / "checkpoints" / "step_000002")
     b = load_checkpoint(resumed_cfg.run_dir / "checkpoints" / "step_000002")
     for key in ("trainable", "ema", "optimizer", "lr_scheduler", "trainer_state"):

@@ -100,10 +100,10 @@ def training_state(trainer) -> dict:
         "counters": dict(trainer.parts.counters),
         "ema": None if trainer.parts.ema is None else {k: v.clone() for k, v in trainer.parts.ema.shadow.items()},
     }
-    if hasattr(trainer, "old_params"):
-        state["old"] = {k: v.detach().clone() for k, v in trainer.old_params.items()}
-    if hasattr(trainer, "reward_grads"):
-        state["reward_gradients"] = copy.deepcopy(trainer.reward_grads.state_dict())
+    for name, tensors in trainer.parts.adapters.items():  # the adapters beside the trained one (NFT's old policy)
+        state[f"adapter_{name}"] = {k: v.detach().clone() for k, v in tensors.items()}
+    if trainer.parts.reward_grads is not None:
+        state["reward_gradients"] = copy.deepcopy(trainer.parts.reward_grads.state_dict())
     return state
 
 

@@ -12,6 +12,7 @@ import yaml
 from eval_shares import recording_call
 from launching import env, launch_command
 
+import flowrl.trainers.kit as kit
 from flowrl.samplers.ode import ODESampler
 from flowrl.trainers import build_trainer, load_config
 
@@ -63,7 +64,7 @@ def one_process(tmp_path_factory):
     (tmp / "one").mkdir()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ODESampler, "__call__", recording_call(tmp / "one", 0))
-        build_trainer(load_config(write_config(tmp, "one"))).train()
+        kit.train(build_trainer(load_config(write_config(tmp, "one"))))
     return tmp
 
 

@@ -10,6 +10,7 @@ import torch
 import yaml
 
 import flowrl.models
+import flowrl.trainers.kit as kit
 import flowrl.training.distributed
 from flowrl.cli import main
 from flowrl.trainers import build_trainer, load_config
@@ -56,7 +57,7 @@ def test_flowrl_eval_of_a_checkpoint_gives_the_runs_own_numbers(tmp_path, tiny_p
     }
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(data))
-    build_trainer(load_config(config)).train()  # its final checkpoint and evaluation: step 1
+    kit.train(build_trainer(load_config(config)))  # its final checkpoint and evaluation: step 1
     folder = tmp_path / "runs" / "run"
     checkpoint, in_training = folder / "checkpoints" / "step_000001", folder / "eval" / "step_000001"
     assert main(["eval", "--config", str(config), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "again")]) == 0

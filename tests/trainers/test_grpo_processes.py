@@ -12,6 +12,7 @@ import yaml
 from launching import env, launch
 from safetensors.torch import load_file
 
+import flowrl.trainers.kit as kit
 from flowrl.trainers import load_config
 from flowrl.trainers.grpo import GRPOTrainer
 from flowrl.training.checkpoint import FAULT_ENV
@@ -56,14 +57,14 @@ def start(config, extra_env=None):
 
 
 def resume(config):
-    GRPOTrainer(load_config(config, ["checkpoint.resume=latest"])).train()
+    kit.train(GRPOTrainer(load_config(config, ["checkpoint.resume=latest"])))
 
 
 @pytest.mark.slow
 def test_sigkill_at_a_random_step_and_during_a_checkpoint_write_then_resume(tmp_path, tiny_pipeline):
     pipeline = tiny_pipeline("sd3")
     # the uninterrupted run
-    GRPOTrainer(load_config(write_config(tmp_path, pipeline, "ref"))).train()
+    kit.train(GRPOTrainer(load_config(write_config(tmp_path, pipeline, "ref"))))
     reference = final_weights(tmp_path, "ref")
 
     # killed with SIGKILL once a random step has been logged
@@ -115,7 +116,7 @@ def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
     data = yaml.safe_load(one.read_text())
     data["sampler"]["same_latent"] = True
     one.write_text(yaml.safe_dump(data))
-    GRPOTrainer(load_config(one)).train()
+    kit.train(GRPOTrainer(load_config(one)))
     two = tmp_path / "two.yaml"
     two.write_text(yaml.safe_dump({**data, "name": "two"}))
     launch("cpu_2proc", two, timeout=500, tail=3000)

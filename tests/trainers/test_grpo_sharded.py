@@ -13,6 +13,7 @@ from launching import launch
 from safetensors.torch import load_file
 from test_grpo_processes import write_config
 
+import flowrl.trainers.kit as kit
 from flowrl.trainers import load_config
 from flowrl.trainers.grpo import GRPOTrainer
 
@@ -34,7 +35,7 @@ def plain_run(tmp_path_factory, tiny_pipeline):
     tmp = tmp_path_factory.mktemp("plain")
     extra = {"num_steps": STEPS, "checkpoint": {"every_n_steps": 1, "keep_last": 2}}
     config = write_config(tmp, tiny_pipeline("sd3"), "one", **extra)
-    GRPOTrainer(load_config(config)).train()
+    kit.train(GRPOTrainer(load_config(config)))
     return tmp / "runs" / "one", tiny_pipeline("sd3"), extra
 
 
@@ -61,7 +62,7 @@ def test_sharded_preset_matches_one_process_and_resumes_plain(tmp_path, plain_ru
 
     # resume the sharded run's step-1 checkpoint in one plain process: step 2 matches again
     shutil.rmtree(run / "checkpoints" / f"step_{STEPS:06d}")
-    GRPOTrainer(load_config(config, ["checkpoint.resume=latest"])).train()
+    kit.train(GRPOTrainer(load_config(config, ["checkpoint.resume=latest"])))
     assert max_difference(plain, weights(run)) < TOLERANCE
 
 
@@ -89,7 +90,7 @@ def test_tree_rollouts_train_sharded_as_in_one_process(tmp_path, tiny_pipeline, 
     the same backward calls, so FSDP2 / ZeRO-2 train trees as one plain process with both trees does."""
     extra = {"num_steps": STEPS, "checkpoint": {"every_n_steps": 1, "keep_last": 2}, **TREE}
     plain = write_config(tmp_path, tiny_pipeline("sd3"), "one", **extra)
-    GRPOTrainer(load_config(plain)).train()
+    kit.train(GRPOTrainer(load_config(plain)))
     config = write_config(tmp_path, tiny_pipeline("sd3"), "sharded", **extra)
     launch(preset, config)
     one, run = tmp_path / "runs" / "one", tmp_path / "runs" / "sharded"

@@ -5,6 +5,7 @@ import torch
 import yaml
 from dotted import set_dotted
 
+import flowrl.trainers.kit as kit
 from flowrl.config import ConfigError
 from flowrl.registry import REWARDS
 from flowrl.trainers import build_config, load_config
@@ -71,7 +72,7 @@ def test_training_moves_the_adapter_and_logs(tmp_path, sd3):
     )
     trainer = GRPOTrainer(cfg)
     before = [p.detach().clone() for p in trainer.parts.opt.params]
-    out = trainer.train()
+    out = kit.train(trainer)
     assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.parts.opt.params))
     lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
@@ -196,7 +197,7 @@ def test_missing_config_file_and_bad_override(tmp_path):
 
 def test_checkpoint_from_another_config_is_refused(tmp_path, sd3):
     cfg = tiny_config(tmp_path, sd3, num_steps=1)
-    GRPOTrainer(cfg).train()
+    kit.train(GRPOTrainer(cfg))
     other = tiny_config(tmp_path, sd3, num_steps=2, **{"train.learning_rate": 5e-4, "checkpoint": {"resume": "latest"}})
     with pytest.raises(ValueError, match="keys train.learning_rate differ"):
-        GRPOTrainer(other).train()
+        kit.train(GRPOTrainer(other))

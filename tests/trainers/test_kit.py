@@ -20,7 +20,7 @@ def setup(num_minibatches: int, accumulation: int):
     )
     opt = OptimizerStep(Accelerator(cpu=True), net, train, micro_batch=2)
     ema = EMA(opt.names, opt.params, decay=0.5, every_n_steps=1)
-    parts = SimpleNamespace(opt=opt, ema=ema, accelerator=opt.acc, cfg=SimpleNamespace(train=train))
+    parts = SimpleNamespace(opt=opt, ema=ema, accelerator=opt.acc, cfg=SimpleNamespace(train=train), reward_grads=None)
     return net, opt, ema, parts
 
 

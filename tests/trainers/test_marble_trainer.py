@@ -10,6 +10,7 @@ import yaml
 from launching import launch
 from test_nft_trainer import PROMPTS, RedPixelsReward, measured_red, nft_config
 
+import flowrl.trainers.kit as kit
 from flowrl.balancers import MarbleBalancer
 from flowrl.balancers.marble import harmonize
 from flowrl.trainers import build_config, build_trainer
@@ -195,7 +196,7 @@ def test_alpha_of_two_gloo_processes_equals_one_process(tmp_path):
     processes solve the one QP of the whole batch; windows: refresh, single, refresh, single."""
     for name in ("one", "two"):
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**TOY, "name": name, "output_dir": str(tmp_path / "runs")}))
-    build_trainer(build_config(yaml.safe_load((tmp_path / "one.yaml").read_text()))).train()
+    kit.train(build_trainer(build_config(yaml.safe_load((tmp_path / "one.yaml").read_text()))))
     launch("cpu_2proc", tmp_path / "two.yaml")
     runs = tmp_path / "runs"
     assert json.loads((runs / "two" / "launch.json").read_text())["num_processes"] == 2
@@ -215,9 +216,9 @@ def test_resume_restores_alpha_and_the_refresh_clock(tmp_path):
         "checkpoint.every_n_steps": 1,
     }
     first = build_trainer(nft_config(tmp_path, **overrides))
-    first.train()
+    kit.train(first)
     resumed = build_trainer(nft_config(tmp_path, **{**overrides, "num_steps": 2, "checkpoint.resume": "latest"}))
     resume_recipe(resumed, first.parts.run.checkpoints / "step_000001")
-    assert resumed.reward_grads.windows == first.reward_grads.windows == 2
-    assert torch.equal(resumed.reward_grads.alpha, first.reward_grads.alpha)
+    assert resumed.parts.reward_grads.windows == first.parts.reward_grads.windows == 2
+    assert torch.equal(resumed.parts.reward_grads.alpha, first.parts.reward_grads.alpha)
     assert torch.equal(resumed.parts.balancer.alpha, first.parts.balancer.alpha)  # the balancer's Σ ᾱ_k A_k uses it

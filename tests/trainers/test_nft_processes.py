@@ -10,6 +10,7 @@ from launching import launch, one_and_two_processes
 from safetensors.torch import load_file
 from test_grpo_processes import write_config
 
+import flowrl.trainers.kit as kit
 from flowrl.trainers import build_trainer, load_config
 
 STEPS = 2
@@ -48,7 +49,7 @@ def plain_run(tmp_path_factory, tiny_pipeline):
     tmp = tmp_path_factory.mktemp("nft_plain")
     extra = {**NFT, "checkpoint": {"every_n_steps": 1, "keep_last": 2}}
     config = write_config(tmp, tiny_pipeline("sd3"), "one", **extra)
-    build_trainer(load_config(config)).train()
+    kit.train(build_trainer(load_config(config)))
     return tmp / "runs" / "one", tiny_pipeline("sd3"), extra
 
 
@@ -83,6 +84,6 @@ def test_sharded_preset_matches_one_process_and_resumes_plain(tmp_path, plain_ru
         assert max_difference(tensors(one, file), tensors(run, file)) < TOLERANCE, file
     # resume the sharded run's step-1 checkpoint in one plain process: step 2 matches again
     shutil.rmtree(run / "checkpoints" / f"step_{STEPS:06d}")
-    build_trainer(load_config(config, ["checkpoint.resume=latest"])).train()
+    kit.train(build_trainer(load_config(config, ["checkpoint.resume=latest"])))
     for file in FILES:
         assert max_difference(tensors(one, file), tensors(run, file)) < TOLERANCE, file

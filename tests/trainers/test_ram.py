@@ -8,6 +8,7 @@ import torch
 from dotted import set_dotted
 from test_nft_trainer import PROMPTS, measured_red
 
+import flowrl.trainers.kit as kit
 from flowrl import sde
 from flowrl.heldout import sample_images
 from flowrl.losses import ram_loss, ram_target
@@ -126,7 +127,7 @@ def test_a_reward_for_red_pixels_makes_the_policy_paint_more_red(tmp_path):
 
 def test_old_policy_and_loss_guidance(tmp_path):
     trainer = build_trainer(ram_config(tmp_path, **{"sampler.guidance_scale": 4.5, "train.old_decay_ramp": 0.0}))
-    assert trainer.guidance == 1.0 and trainer.rollout_guidance == 4.5  # CFG in the rollout, none in the loss
+    assert trainer.guidance == 1.0 and kit.sampler_guidance(trainer.parts) == 4.5  # CFG in the rollout, none in the loss
     model = trainer.parts.model
     x = torch.randn(2, *model.latent_shape(32, 32), generator=torch.Generator().manual_seed(0))
     cond, sigma = model.encode(PROMPTS[:2]), torch.tensor([0.7, 0.3])

@@ -4,6 +4,7 @@ current run keeps that key's default (an upgrade of flowrl between the save and 
 import pytest
 from test_trainer_contract import toy_config
 
+import flowrl.trainers.kit as kit
 from flowrl.config import flatten, to_dict
 from flowrl.experimental.tagrpo import TAGRPOConfig
 from flowrl.trainers import build_trainer
@@ -37,7 +38,7 @@ def test_a_key_new_since_the_checkpoint_at_its_default_is_no_difference(tmp_path
 
 
 def test_resume_refuses_a_changed_key_with_a_one_line_error(tmp_path):
-    build_trainer(toy_config(tmp_path, "grpo", num_steps=1, **{"checkpoint.every_n_steps": 1})).train()
+    kit.train(build_trainer(toy_config(tmp_path, "grpo", num_steps=1, **{"checkpoint.every_n_steps": 1})))
     cfg = toy_config(tmp_path, "grpo", num_steps=2, **{"checkpoint.resume": "latest", "train.clip_range": 0.5})
     with pytest.raises(ValueError, match="comes from another config: keys train.clip_range differ"):
-        build_trainer(cfg).train()
+        kit.train(build_trainer(cfg))

@@ -11,6 +11,7 @@ from launching import env, launch_command
 from safetensors.torch import load_file
 from test_grpo_processes import write_config
 
+import flowrl.trainers.kit as kit
 from flowrl.models import load_flow_model
 from flowrl.models.placement import on_device
 from flowrl.trainers import load_config
@@ -51,7 +52,7 @@ def test_fsdp2_shards_before_anything_large_reaches_the_device_and_trains_as_one
         "eval": {"every_n_steps": 0, "num_steps": 2, "seeds": [0], "num_prompts": 1},
     }
     plain = write_config(tmp_path, pipeline, "one", **extra)
-    GRPOTrainer(load_config(plain)).train()
+    kit.train(GRPOTrainer(load_config(plain)))
     config = write_config(tmp_path, pipeline, "sharded", **extra)
     cmd = launch_command("fsdp", SCRIPT, config, tmp_path)
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_trainer_contract import assert_same, toy_config, trainable
 
+import flowrl.trainers.kit as kit
 from flowrl.experimental.tagrpo import Alignment, MemoryBank, TAGRPOConfig, alignment_loss, start_key
 from flowrl.sde import StepRule
 from flowrl.trainers import build_trainer
@@ -216,10 +217,10 @@ def test_the_alignment_loss_moves_the_step_mean_toward_better_members(tmp_path):
 def test_resume_with_a_memory_bank_ends_bit_for_bit(tmp_path):
     bank = {**TAGRPO, "train.tagrpo.bank_size": 2, "checkpoint.every_n_steps": 1}
     straight = build_trainer(toy_config(tmp_path / "s", "grpo", num_steps=2, **bank))
-    straight.train()
-    build_trainer(toy_config(tmp_path / "r", "grpo", num_steps=1, **bank)).train()
+    kit.train(straight)
+    kit.train(build_trainer(toy_config(tmp_path / "r", "grpo", num_steps=1, **bank)))
     resumed = build_trainer(toy_config(tmp_path / "r", "grpo", num_steps=2, **bank, **{"checkpoint.resume": "latest"}))
-    resumed.train()
+    kit.train(resumed)
     assert len(straight.bank) > 0
     assert_same(trainable(straight), trainable(resumed))
     assert_same(straight.bank.state(), resumed.bank.state())

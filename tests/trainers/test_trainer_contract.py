@@ -17,6 +17,7 @@ import torch
 from dotted import set_dotted
 from safetensors.torch import load_file
 
+import flowrl.trainers.kit as kit
 from flowrl.registry import BALANCERS
 from flowrl.sigma_range import TRAINS_ON
 from flowrl.trainers import TRAINERS, build_config, build_trainer
@@ -105,7 +106,7 @@ def straight_runs(tmp_path_factory):
             cfg = toy_config(tmp_path_factory.mktemp(f"straight_{name}"), name, num_steps=2, **{"checkpoint.every_n_steps": 1})
             trainer = build_trainer(cfg)
             before = trainable(trainer)
-            trainer.train()
+            kit.train(trainer)
             lines = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
             assert all(map(has_reward_signal, lines)), lines  # else a step has nothing to learn from
             cache[name] = cfg, trainer, before
@@ -132,10 +133,10 @@ def test_a_toy_step_moves_the_trainable_weights_and_logs_the_loss(straight_runs,
 def test_resume_from_a_checkpoint_ends_bit_for_bit_where_the_run_ends(tmp_path, straight_runs, name):
     straight_cfg, straight, _ = straight_runs(name)
     # interrupted: 1 step, then a new trainer resumes from the latest checkpoint and runs step 2
-    build_trainer(toy_config(tmp_path, name, num_steps=1, **{"checkpoint.every_n_steps": 1})).train()
+    kit.train(build_trainer(toy_config(tmp_path, name, num_steps=1, **{"checkpoint.every_n_steps": 1})))
     resumed_cfg = toy_config(tmp_path, name, num_steps=2, **{"checkpoint.every_n_steps": 1, "checkpoint.resume": "latest"})
     resumed = build_trainer(resumed_cfg)
-    resumed.train()
+    kit.train(resumed)
     lines = [json.loads(line) for line in (resumed_cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
 

@@ -24,7 +24,9 @@ def _order(scores: torch.Tensor, descending: bool, among: torch.Tensor | None = 
     return idx[torch.sort(-keys if descending else keys, stable=True).indices].tolist()
 
 
-def select_indices(scores: torch.Tensor, k: int, mode: str = "best_worst", generator: torch.Generator | None = None) -> list[int]:
+def select_indices(
+    scores: torch.Tensor, k: int, mode: str = "best_worst", generator: torch.Generator | None = None
+) -> list[int]:
     """The k pool members to keep, in ascending index order; all of them when the pool has <= k.
 
     best_worst: the k // 2 best and the k − k // 2 worst (an odd k takes one more worst); top: the k best;

@@ -27,7 +27,9 @@ class Registry:
         def decorator(cls: type) -> type:
             existing = self._entries.get(name)
             if existing is not None and existing is not cls:
-                raise ValueError(f"{self.kind} {name!r} is already registered to {existing.__module__}.{existing.__qualname__}")
+                raise ValueError(
+                    f"{self.kind} {name!r} is already registered to {existing.__module__}.{existing.__qualname__}"
+                )
             self._entries[name] = cls
             cls.registry_name = name
             return cls

@@ -23,7 +23,9 @@ def check_inputs(
     want = 4 if modality == "image" else 5
     layout = "[N, 3, H, W]" if modality == "image" else "[N, F, 3, H, W]"
     if images.dim() != want or images.shape[-3] != 3:
-        raise ValueError(f"{name}: images shape {tuple(images.shape)} is not {layout}; pass RGB {modality}s channels-first")
+        raise ValueError(
+            f"{name}: images shape {tuple(images.shape)} is not {layout}; pass RGB {modality}s channels-first"
+        )
     if not images.is_floating_point():
         raise ValueError(f"{name}: images dtype {images.dtype} is not floating; convert with images.float() / 255")
     if images.shape[0] == 0:
@@ -32,17 +34,21 @@ def check_inputs(
         lo, hi = float(images.detach().min()), float(images.detach().max())
         if not (lo >= 0.0 and hi <= 1.0):  # also catches NaN
             raise ValueError(
-                f"{name}: images range [{lo:.4g}, {hi:.4g}] is outside [0, 1]; map [-1, 1] images with (x + 1) / 2 and clamp"
+                f"{name}: images range [{lo:.4g}, {hi:.4g}] is outside [0, 1]; map [-1, 1] images with (x + 1) / 2 "
+                "and clamp"
             )
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
         raise ValueError(f"{name}: prompts is a {type(prompts).__name__}; pass a list of strings, one per {modality}")
     if len(prompts) == 0:
         raise ValueError(f"{name}: prompts is empty; pass one prompt per {modality}")
     if len(prompts) != images.shape[0]:
-        raise ValueError(f"{name}: {len(prompts)} prompts for {images.shape[0]} {modality}s; pass one prompt per {modality}")
+        raise ValueError(
+            f"{name}: {len(prompts)} prompts for {images.shape[0]} {modality}s; pass one prompt per {modality}"
+        )
     if metadata is not None and len(metadata) != images.shape[0]:
         raise ValueError(
-            f"{name}: {len(metadata)} metadata entries for {images.shape[0]} {modality}s; pass one dict per {modality} (or [{{}}] * N)"
+            f"{name}: {len(metadata)} metadata entries for {images.shape[0]} {modality}s; pass one dict per "
+            f"{modality} (or [{{}}] * N)"
         )
 
 
@@ -50,7 +56,8 @@ def check_scores(name: str, scores: torch.Tensor, num: int) -> torch.Tensor:
     """A reward's output must be [N] floats; returns it as float32. +-inf is an error (NaN = not applicable)."""
     if not isinstance(scores, torch.Tensor):
         raise ValueError(
-            f"{name}: returned scores of type {type(scores).__name__}; a reward must return RewardOutput(scores=[N] tensor)"
+            f"{name}: returned scores of type {type(scores).__name__}; a reward must return "
+            "RewardOutput(scores=[N] tensor)"
         )
     if scores.dim() != 1 or scores.shape[0] != num:
         raise ValueError(
@@ -60,7 +67,8 @@ def check_scores(name: str, scores: torch.Tensor, num: int) -> torch.Tensor:
     bad = torch.isinf(scores.detach()).nonzero().flatten().tolist()
     if bad:
         raise ValueError(
-            f"{name}: non-finite score {float(scores[bad[0]])} at sample index {bad[0]}; fix the reward or drop that sample"
+            f"{name}: non-finite score {float(scores[bad[0]])} at sample index {bad[0]}; fix the reward or drop that "
+            "sample"
         )
     return scores
 
@@ -85,7 +93,9 @@ def score_checked(
     return out
 
 
-def _first_failing_index(reward: Any, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> int | None:
+def _first_failing_index(
+    reward: Any, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]
+) -> int | None:
     for i in range(len(prompts)):
         try:
             reward(images[i : i + 1], prompts[i : i + 1], metadata[i : i + 1])
@@ -112,7 +122,9 @@ def check_settings(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         if key in kwargs:
             raise ValueError(f"--set {key}=... is not a reward setting; pass --{key} {kwargs[key]} instead")
     params = inspect.signature(cls).parameters
-    settings = [k for k, p in params.items() if k not in ("device", "dtype") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    settings = [
+        k for k, p in params.items() if k not in ("device", "dtype") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         for key in kwargs:
             if key not in params:

@@ -52,7 +52,9 @@ class PromptBatch:
                 sizes[name] = len(getattr(self, name))
         if any(n != len(self.prompts) for n in sizes.values()):
             listed = " ".join(f"{k}={v}" for k, v in sizes.items())
-            raise ValueError(f"PromptBatch sizes disagree: prompts={len(self.prompts)} {listed}; give one entry per sample")
+            raise ValueError(
+                f"PromptBatch sizes disagree: prompts={len(self.prompts)} {listed}; give one entry per sample"
+            )
 
     def select(self, rows: slice | torch.Tensor | list[int]) -> PromptBatch:
         """The samples `rows` of this batch (a slice or indices), every field alike."""
@@ -84,7 +86,8 @@ class Rollout:
     with `latent_index` [N, T+1] naming each sample's state at each step (a tree's shared prefixes stored once).
     """
 
-    latents: torch.Tensor  # [N, T+1, *latent_shape] float32, latents[:, 0] the initial noise; or [V, ...] (latent_index)
+    # [N, T+1, *latent_shape] float32, latents[:, 0] the initial noise; or [V, ...] (latent_index)
+    latents: torch.Tensor
     log_probs: torch.Tensor  # [N, T] float32 behaviour log-prob of each transition (0 where deterministic)
     sigmas: torch.Tensor  # [T+1] float32, sigmas[0] = 1 (or the start), sigmas[T] = 0
     images: torch.Tensor  # [N, 3, H, W] in [0, 1] (video: [N, F, 3, H, W])
@@ -98,15 +101,17 @@ class Rollout:
     guidance_scale: float = 1.0
     metadata: list[dict[str, Any]] = field(default_factory=list)  # [N]
     extras: dict[str, Any] = field(default_factory=dict)  # sampler-specific records (tree parents, previews...)
-    latent_index: torch.Tensor | None = None  # [N, T+1] int64 rows of a state table `latents` [V, ...]; None = per sample
+    # [N, T+1] int64 rows of a state table `latents` [V, ...]; None = per sample
+    latent_index: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.latent_index is not None:
             expected = (len(self.prompts), self.log_probs.shape[1] + 1)
             if tuple(self.latent_index.shape) != expected or int(self.latent_index.max()) >= len(self.latents):
                 raise ValueError(
-                    f"Rollout.latent_index has shape {tuple(self.latent_index.shape)}, max {int(self.latent_index.max())}: "
-                    f"it needs shape {expected} (samples, steps + 1) with rows of the {len(self.latents)}-state table latents"
+                    f"Rollout.latent_index has shape {tuple(self.latent_index.shape)}, "
+                    f"max {int(self.latent_index.max())}: it needs shape {expected} (samples, steps + 1) with rows of "
+                    f"the {len(self.latents)}-state table latents"
                 )
         if self.transitions is None:
             stds = transition_stds(self.rule, self.sigmas, self.noise_levels)  # [N, T]
@@ -156,8 +161,14 @@ class Rollout:
             return parts[0]
         first = parts[0]
         for p in parts[1:]:
-            if p.rule != first.rule or p.guidance_scale != first.guidance_scale or not torch.equal(p.sigmas, first.sigmas):
-                raise ValueError("Rollout.concat: parts differ in step rule, guidance or sigma grid; concat one sampler's output")
+            if (
+                p.rule != first.rule
+                or p.guidance_scale != first.guidance_scale
+                or not torch.equal(p.sigmas, first.sigmas)
+            ):
+                raise ValueError(
+                    "Rollout.concat: parts differ in step rule, guidance or sigma grid; concat one sampler's output"
+                )
         offsets = [0]
         for p in parts:
             offsets.append(offsets[-1] + len(p.prompts))
@@ -166,7 +177,9 @@ class Rollout:
         for key, value in first.extras.items():
             values = [p.extras.get(key) for p in parts]
             rows = [len(p.prompts) for p in parts]
-            if isinstance(value, torch.Tensor) and all(isinstance(v, torch.Tensor) and len(v) == n for v, n in zip(values, rows)):
+            if isinstance(value, torch.Tensor) and all(
+                isinstance(v, torch.Tensor) and len(v) == n for v, n in zip(values, rows)
+            ):
                 extras[key] = torch.cat(values)
             elif isinstance(value, list) and all(isinstance(v, list) and len(v) == n for v, n in zip(values, rows)):
                 extras[key] = [x for v in values for x in v]
@@ -198,7 +211,9 @@ class Rollout:
             transitions=transitions,
             std_scales=None
             if all(p.std_scales is None for p in parts)
-            else torch.cat([p.std_scales if p.std_scales is not None else torch.ones_like(p.noise_levels) for p in parts]),
+            else torch.cat(
+                [p.std_scales if p.std_scales is not None else torch.ones_like(p.noise_levels) for p in parts]
+            ),
             guidance_scale=first.guidance_scale,
             metadata=[x for p in parts for x in p.metadata],
             extras=extras,
@@ -208,7 +223,12 @@ class Rollout:
 
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
     return a == b
 
 
@@ -285,8 +305,8 @@ CARRIES = {  # what a sampler's rollouts may hold (Sampler.carries())
     "memoryless": "the memoryless SDE of the current model on a grid short of σ = 1 (adjoint matching's law)",
     "gaussian_steps": "each stochastic transition is scored by the exact density of the Gaussian it was drawn from (a "
     "trainer can recompute its mean and std: GRPO-Guard's RatioNorm, Flow-DPPO's KL mask)",
-    "flow_grpo_steps": "the stochastic transitions are Flow-GRPO's SDE steps, g = a·√(σ/(1 − σ)) (what GRPO-Guard's 1/Δσ "
-    "reweighting equalises)",
+    "flow_grpo_steps": "the stochastic transitions are Flow-GRPO's SDE steps, g = a·√(σ/(1 − σ)) (what GRPO-Guard's "
+    "1/Δσ reweighting equalises)",
 }
 NEEDS = {  # what a balancer may ask of the trainer (Balancer.needs()), beyond one advantage per sample
     "sample_mask": "the samples the balancer's `keep` masks take no part in the loss",
@@ -297,12 +317,14 @@ NEEDS = {  # what a balancer may ask of the trainer (Balancer.needs()), beyond o
 
 
 class Sampler(Protocol):
-    """Rollouts for a trainer (samplers/: ode, sde, tree, candidates). What a recipe reads of a sampler is declared here,
-    not looked up: what its rollouts carry, the steps of its grid that train on a model, its guidance and its metrics."""
+    """Rollouts for a trainer (samplers/: ode, sde, tree, candidates). What a recipe reads of a sampler is declared
+    here, not looked up: what its rollouts carry, the steps of its grid that train on a model, its guidance and its
+    metrics."""
 
     num_steps: int  # denoising steps T of a rollout
     guidance_scale: float | None  # CFG scale; None = the model's `default_guidance_scale`
-    whole_groups: ClassVar[bool]  # every prompt group is rolled out in one call, on one process (trees, candidate pools)
+    # every prompt group is rolled out in one call, on one process (trees, candidate pools)
+    whole_groups: ClassVar[bool]
     recipe_variants: ClassVar[dict[str, dict]]  # the rows `flowrl recipes` lists for it: {suffix: its arguments}
 
     def __call__(

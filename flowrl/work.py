@@ -16,7 +16,7 @@ itself:
 Counts are grouped by phase: `rollout` (stages 1-2), `score` (rewards, in whatever thread scores them) and `train`
 (the rest of a step). `flowrl.training.loop.metered_step` resets the meter before a step and reads it after; the
 metrics are `work/<phase>/<kind>/<detail>` (docs/cost.md lists the kinds), summed over processes, and
-flowrl.bench.cost prices them at a real architecture's size.
+flowrl.plan.cost prices them at a real architecture's size.
 """
 
 from __future__ import annotations
@@ -28,7 +28,17 @@ from collections import defaultdict
 import torch
 
 PHASES = ("rollout", "score", "train")
-KINDS = ("forward", "forward_grad", "backward", "recompute", "decode", "decode_backward", "encode", "reward", "reward_backward")
+KINDS = (
+    "forward",
+    "forward_grad",
+    "backward",
+    "recompute",
+    "decode",
+    "decode_backward",
+    "encode",
+    "reward",
+    "reward_backward",
+)
 
 
 class Meter:

@@ -1,4 +1,5 @@
-"""Bad input to `flowrl sample`, `flowrl score` and `flowrl eval` is one stderr line `flowrl <cmd>: error: ...` and exit 2.
+"""Bad input to `flowrl sample`, `flowrl score` and `flowrl eval` is one stderr line `flowrl <cmd>: error: ...` and
+exit 2.
 
 Every case writes the real bad file (a truncated safetensors, a text file named .png, a broken JSON) into tmp_path.
 """
@@ -190,7 +191,8 @@ def test_score_unknown_reward(good_png, capsys):
 
 def test_score_more_prompts_than_files(good_png, capsys):
     err = one_line_error(
-        ["score", "--reward", "toy_artifact", "--prompt", "a", "--prompt", "b", "--prompt", "c", good_png, good_png], capsys
+        ["score", "--reward", "toy_artifact", "--prompt", "a", "--prompt", "b", "--prompt", "c", good_png, good_png],
+        capsys,
     )
     assert "--prompt given 3 times for 2 files" in err
 

@@ -76,9 +76,14 @@ def run_flowrl(args: list[str], endpoint: str, tmp_path: Path) -> tuple[int, lis
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     env.update(HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0", HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_TELEMETRY="1")
     env.update(
-        OMP_NUM_THREADS="1", HF_HUB_DISABLE_IMPLICIT_TOKEN="1", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost"
+        OMP_NUM_THREADS="1",
+        HF_HUB_DISABLE_IMPLICIT_TOKEN="1",
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
     )
-    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", *args], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowrl.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
     return proc.returncode, [line for line in proc.stderr.splitlines() if line.strip()]
 
 
@@ -124,7 +129,11 @@ def empty_cache(tmp_path, monkeypatch):
             "pickscore: processor 'flowrl-test/none'",
         ),
         ("hpsv2", {}, "hpsv2: checkpoint HPS_v2.1_compressed.pt of 'xswu/HPSv2'"),
-        ("clipscore", {"model_name": "ViT-B-32", "pretrained": "openai"}, "open_clip weights ViT-B-32/openai: open_clip_model"),
+        (
+            "clipscore",
+            {"model_name": "ViT-B-32", "pretrained": "openai"},
+            "open_clip weights ViT-B-32/openai: open_clip_model",
+        ),
         ("imagereward", {}, "imagereward: checkpoint ImageReward.pt of 'THUDM/ImageReward'"),
         ("artifact", {"backend": "vlm", "model_name": "flowrl-test/none"}, "artifact: VLM 'flowrl-test/none'"),
     ],
@@ -143,7 +152,9 @@ def test_imagereward_tokenizer_not_cached_offline_is_refused_not_left_empty(empt
 
     files = make_imagereward_files(tmp_path / "ir")
     files.pop("tokenizer")  # the default, bert-base-uncased: transformers 5 would build a 7-token tokenizer offline
-    with pytest.raises(HubUnavailableError, match="^imagereward: tokenizer vocab.txt of 'bert-base-uncased' is not in the local"):
+    with pytest.raises(
+        HubUnavailableError, match="^imagereward: tokenizer vocab.txt of 'bert-base-uncased' is not in the local"
+    ):
         REWARDS.build("imagereward", **files)
 
 
@@ -168,13 +179,19 @@ def test_hub_errors_passes_other_errors_and_keeps_the_cache_fallback_warning_of_
 @pytest.mark.parametrize(
     "model, expected",
     [
-        ("org/gated-anonymous", ["is a gated repository and this machine is not logged in", "(HTTP 401)", "`hf auth login`"]),
+        (
+            "org/gated-anonymous",
+            ["is a gated repository and this machine is not logged in", "(HTTP 401)", "`hf auth login`"],
+        ),
         (
             "org/gated-unaccepted",
             ["is a gated repository whose license", "(HTTP 403)", "accept it on {endpoint}/org/gated-unaccepted"],
         ),
         ("org/missing", ["does not exist on the Hugging Face Hub", "(HTTP 404)", "check the id"]),
-        ("org/unreachable", ["cannot be reached (ConnectionRefusedError", "check the network", "`hf download org/unreachable`"]),
+        (
+            "org/unreachable",
+            ["cannot be reached (ConnectionRefusedError", "check the network", "`hf download org/unreachable`"],
+        ),
     ],
 )
 def test_sample_of_a_model_the_hub_refuses_is_one_line(fake_hub, tmp_path, model, expected):
@@ -193,5 +210,7 @@ def test_score_with_a_gated_reward_model_is_one_line(fake_hub, tmp_path):
     args += ["--set", "processor_name=org/gated-anonymous", "--prompt", "a cat", "--device", "cpu", str(image)]
     code, lines = run_flowrl(args, fake_hub, tmp_path)
     assert code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("flowrl score: error: pickscore: processor 'org/gated-anonymous' is a gated repository"), lines[0]
+    assert lines[0].startswith(
+        "flowrl score: error: pickscore: processor 'org/gated-anonymous' is a gated repository"
+    ), lines[0]
     assert f"accept its license on {fake_hub}/org/gated-anonymous, then run `hf auth login`" in lines[0]

@@ -371,11 +371,8 @@ def _build(
     if "cached" in spec.backends and not hasattr(transformer, "enable_cache"):
         _enable_cache(transformer, spec.cache, family)  # raises the one-line error before copying anything
     if precision in (None, "bf16") and "cached" not in spec.backends:
-        return (
-            transformer,
-            precision,
-            [],
-        )  # few_step / bf16 change how the sampler runs the policy, not its weights: no copy
+        # few_step / bf16 change how the sampler runs the policy, not its weights: no copy
+        return transformer, precision, []
     preview = merged_copy(transformer)
     names = quantizable_linears(preview, spec.skip, spec.min_features) if precision not in (None, "bf16") else []
     if precision in KERNELS:  # torchao's fp8 and nvfp4 linears need both sides in multiples of 16

@@ -357,9 +357,8 @@ class LTX2FlowModel(PipelineFlowModel):
         f, h, w, _ = self._layout(latents)
         video, _ = self.split_latents(latents)
         config = self.transformer.config
-        video = pipe._unpack_latents(
-            video.float(), f, h, w, config.patch_size, config.patch_size_t
-        )  # [N, C, F', H', W']
+        # [N, C, F', H', W']
+        video = pipe._unpack_latents(video.float(), f, h, w, config.patch_size, config.patch_size_t)
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         # a timestep-conditioned decoder gets decode_timestep 0 (the pipeline's default, which adds no noise)
         timestep = (

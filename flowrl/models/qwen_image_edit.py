@@ -59,9 +59,8 @@ class QwenImageEditFlowModel(QwenImageFlowModel):
             )
         vae_input = image if self.plus else self.pipe.image_processor.resize(image, height, width)
         pixels = self.pipe.image_processor.preprocess(vae_input, height, width).unsqueeze(2)  # [1, 3, 1, H, W]
-        latents = self.pipe._encode_vae_image(
-            pixels.to(self.device, self.pipe.vae.dtype), generator=None
-        )  # [1, C, 1, h, w]
+        # [1, C, 1, h, w]
+        latents = self.pipe._encode_vae_image(pixels.to(self.device, self.pipe.vae.dtype), generator=None)
         c, h, w = latents.shape[1], latents.shape[3], latents.shape[4]
         self.latent_shape(height, width)  # records the source grid (the sample's)
         cond["image_latents"] = self.pipe._pack_latents(latents, 1, c, h, w)  # [1, L_src, 4C]

@@ -304,9 +304,8 @@ def test_sample_cli_max_sequence_length_equals_the_pipeline(tiny_pipeline, tmp_p
     pipe = DiffusionPipeline.from_pretrained(tiny_pipeline("sd3"))
     image = pipeline_call(pipe, "sd3", PROMPTS[1:], SEEDS[1:], 3, 4.5, "pt", max_sequence_length=8)[0]
     expected = (image * 255).round().clamp(0, 255).byte().permute(1, 2, 0).numpy()
-    assert (
-        np.abs(np.asarray(Image.open(png)).astype(int) - expected.astype(int)).max() <= 1
-    )  # uint8 rounding of 1e-4 differences
+    # uint8 rounding of 1e-4 differences
+    assert np.abs(np.asarray(Image.open(png)).astype(int) - expected.astype(int)).max() <= 1
 
 
 @pytest.mark.parametrize("family", FAMILIES)

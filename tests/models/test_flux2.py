@@ -25,9 +25,8 @@ def test_flux2_shift_by_hand():
     # 28 steps lies 18/190 of the way from the first to the second
     at_10, at_200 = 8.73809524e-05 * 1024 + 1.89833333, 0.00016927 * 1024 + 0.45666666
     assert sde.flux2_shift(1024, 28) == pytest.approx(at_10 + (at_200 - at_10) * 18 / 190, rel=1e-12)
-    assert sde.flux2_shift(8192, 28) == pytest.approx(
-        0.00016927 * 8192 + 0.45666666, rel=1e-12
-    )  # above 4300: no step term
+    # above 4300: no step term
+    assert sde.flux2_shift(8192, 28) == pytest.approx(0.00016927 * 8192 + 0.45666666, rel=1e-12)
 
 
 @pytest.fixture(scope="module")

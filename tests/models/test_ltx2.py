@@ -255,9 +255,8 @@ def test_tiny_pipeline_round_trips_offline(folder, tmp_path):
     a, b = (pipeline_call(p, 2, 3.0, "latent", **call) for p in (pipe, again))
     torch.testing.assert_close(a.frames, b.frames, rtol=0, atol=0)
     torch.testing.assert_close(a.audio, b.audio, rtol=0, atol=0)
-    assert (
-        type(again).__name__ == "LTX2Pipeline" and len(again.tokenizer) > 90
-    )  # a real tokenizer, not an empty stand-in
+    # a real tokenizer, not an empty stand-in
+    assert type(again).__name__ == "LTX2Pipeline" and len(again.tokenizer) > 90
 
 
 # ------------------------------------------------------------------------------------------- bad input

@@ -22,9 +22,8 @@ def latents_and_velocity(model, family):
     )
     x = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0))
     cond = model.encode(["two red circles"] if family == "toy" else PROMPTS[:1])
-    return model.velocity(
-        x, torch.tensor([0.8]), cond, 1.0
-    ).detach()  # above Wan 2.2 A14B's boundary (0.7): the trained expert
+    # above Wan 2.2 A14B's boundary (0.7): the trained expert
+    return model.velocity(x, torch.tensor([0.8]), cond, 1.0).detach()
 
 
 def flags(model):

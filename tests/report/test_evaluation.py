@@ -41,9 +41,8 @@ def test_saved_images_are_the_samplers_output_for_each_prompt_and_seed(evaluated
         assert sample["seed"] == r["seeds"][s]
         assert np.abs(_png(run / "eval" / "step_000002" / sample["image"]) - direct).max() <= 1
         other = next(x for x in later["samples"] if x["prompt_index"] == p and x["seed_index"] != s)
-        assert (
-            np.abs(_png(run / "eval" / "step_000002" / other["image"]) - direct).mean() > 2
-        )  # seeds give different images
+        # seeds give different images
+        assert np.abs(_png(run / "eval" / "step_000002" / other["image"]) - direct).mean() > 2
 
 
 def test_scores_and_means_match_the_rewards_on_the_saved_images(evaluated_run):
@@ -109,9 +108,8 @@ def test_feature_diversity_and_batch_size_independence(evaluated_run, tmp_path):
     colours = [tuple(c.tolist()) for c in torch.cat(seen).mean(dim=(-2, -1))]
     by_hand = np.mean([math.dist(a, b) for a, b in itertools.combinations(colours, 2)])
     assert result["diversity"]["space"] == "mean_colour"
-    assert result["diversity"]["per_prompt"][0] == pytest.approx(
-        by_hand, rel=1e-4
-    )  # float32 means, summed in another order
+    # float32 means, summed in another order
+    assert result["diversity"]["per_prompt"][0] == pytest.approx(by_hand, rel=1e-4)
     # batch size 2 instead of 4, one prompt instead of two: the same images and scores for the same prompt and seeds
     for new, old in zip(result["samples"], r["later"]["samples"][: len(r["seeds"])]):
         assert np.abs(_png(tmp_path / new["image"]) - _png(r["run"] / "eval" / "step_000002" / old["image"])).max() <= 1

@@ -4,8 +4,8 @@ and pushed from worse ones', with a memory bank of past rollouts of the same sta
 Experimental: on the toy image-to-video world it collapses on every seed (the race's `--baseline grpo_i2v` rows,
 docs/recipes/tagrpo.md), so it is kept runnable and tested, not recommended.
 
-The paper (arXiv 2601.05729) is known here from its abstract only: the loss below is a reconstruction, behind
-`train.tagrpo.enabled` in the GRPO recipe. For a trained transition k of sample i (latent z_k^i, the policy's
+The paper (arXiv 2601.05729) is known here from its abstract only: the loss below is a reconstruction, the recipe
+`trainer: tagrpo` (GRPO's stage 6, `flowrl.trainers.grpo.grpo_optimise`, with this alignment as its regulariser). For a trained transition k of sample i (latent z_k^i, the policy's
 Gaussian step mean μ_θ(z_k^i) and std s_k), against the next latents z_{k+1}^j of the other members j of its group
 (same prompt, source image and initial noise) whose transition k was stochastic too, and of the bank's entries for
 that start:
@@ -23,21 +23,27 @@ transition's clipped ratio loss with the same per-sample weight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
+import flowrl.trainers.kit as kit
 from flowrl.advantages import group_mean_std
+from flowrl.balancers import weighted_total
+from flowrl.config import RunConfig
+from flowrl.trainers.grpo import GRPOConfig, grpo_composition_error, grpo_optimise, grpo_parts
+from flowrl.trainers.transitions import TransitionInputs
+from flowrl.training.clock import timed
 
 EVICTIONS = ("oldest", "smallest_advantage")
 DISTANCES = ("log", "gaussian")
 
 
 @dataclass
-class TAGRPOConfig:
-    """Keys train.tagrpo.* of the GRPO recipe."""
+class AlignmentConfig:
+    """Keys train.tagrpo.* of the TAGRPO recipe."""
 
-    enabled: bool = False
     coef: float = 0.1
     """Weight of the alignment loss beside the clipped ratio loss. The term is not clipped (it acts like an extra,
     unclipped policy gradient on the step mean): on the toy, 1.0 and 0.3 collapsed the policy within 30 steps."""
@@ -121,7 +127,7 @@ class MemoryBank:
     """Next latents z_{k+1} of past rollouts by (start key, step k), with the combined reward and the training step
     they were drawn at; `bank_size` entries per start and step, `bank_capacity` in all."""
 
-    def __init__(self, cfg: TAGRPOConfig):
+    def __init__(self, cfg: AlignmentConfig):
         self.cfg = cfg
         self.entries: dict[tuple[str, int], list[dict]] = {}  # (key, k) -> [{"z", "reward", "u", "step"}]
 
@@ -198,7 +204,7 @@ class Alignment:
     """The recipe's side of TAGRPO for one training step: targets of each trained (sample, step) from its group and
     the bank, and the bank's update after the step."""
 
-    def __init__(self, cfg: TAGRPOConfig, bank: MemoryBank):
+    def __init__(self, cfg: AlignmentConfig, bank: MemoryBank):
         self.cfg, self.bank = cfg, bank
         self.log: dict[str, list[torch.Tensor]] = {k: [] for k in ("loss", "attract", "repel", "bank_partners")}
 
@@ -264,9 +270,11 @@ class Alignment:
                 z = self.rollout.states(torch.tensor([i], device=device), step_k + 1)[0]
                 self.bank.add(self.keys[i], step_k, z, float(self.rewards[i]), float(self.u[i]), self.step)
 
-    def regulariser(self, rule, v, x, x_next, sigma, sigma_next, level, scale, index, k) -> torch.Tensor:
-        """coef · L [b] of the transitions k of rows `index` (the policy's step mean from velocity v), logged."""
+    def term(self, rule, v, inputs: TransitionInputs, index, k) -> torch.Tensor:
+        """coef · L [b] of the transitions k of rows `index` (the policy's step mean from velocity v), logged: GRPO's
+        regulariser (flowrl.trainers.grpo.Regulariser)."""
         cfg = self.cfg
+        _, x, x_next, sigma, sigma_next, level, scale = inputs
         _, _, mean, std = rule.step(v, x, sigma, sigma_next, level, prev_sample=x_next, std_scale=scale)
         z_pos, has_pos, z_neg, has_neg, partners = self.targets(index, k)
         loss, d_pos, d_neg = alignment_loss(mean, std, z_pos, has_pos, z_neg, has_neg, cfg.repel, cfg.repel_clip, cfg.distance)
@@ -280,11 +288,17 @@ class Alignment:
         out = {f"train/tagrpo_{k}": float(torch.stack(v).mean()) for k, v in self.log.items() if v}
         return out | {"train/tagrpo_bank_entries": float(len(self.bank))}
 
+    def finish(self, trained: list[list[int]]) -> dict[str, float]:
+        """After the step: its latents into the bank (a start's bank partners are always from earlier steps), then
+        the step's metrics."""
+        self.remember(trained)
+        return self.metrics()
+
 
 BANK_GROUP = "tagrpo_bank"  # the checkpoint file of the memory bank (<group>.safetensors)
 
 
-def step_alignment(cfg: TAGRPOConfig, bank: MemoryBank, rollout, batch, combined: torch.Tensor, usable, step: int):
+def step_alignment(cfg: AlignmentConfig, bank: MemoryBank, rollout, batch, combined: torch.Tensor, usable, step: int):
     """TAGRPO's targets for one step: the combined training reward of every local sample (whole groups, NaN where no
     reward applies), its start key (prompt, source image, shared initial-noise seed) and the bank."""
     latent_seeds = batch.group_seeds if batch.group_seeds is not None else batch.seeds
@@ -292,3 +306,66 @@ def step_alignment(cfg: TAGRPOConfig, bank: MemoryBank, rollout, batch, combined
     alignment = Alignment(cfg, bank)
     alignment.prepare(rollout, combined, usable, keys, step)
     return alignment
+
+
+# ------------------------------------------------------------------------------------------ the recipe
+
+
+@dataclass
+class TAGRPOConfig(GRPOConfig):
+    tagrpo: AlignmentConfig = field(default_factory=AlignmentConfig)
+    """The trajectory alignment and its memory bank (keys train.tagrpo.*)."""
+
+
+class TAGRPOTrainer:
+    """GRPO on image-to-video groups that share their initial noise, with the alignment above beside the clipped
+    ratio loss (outside the advantage and MARBLE's balancing). Every group on one process: members align with each
+    other."""
+
+    config_class = TAGRPOConfig
+    name = "tagrpo"
+    adapter_copies = 0  # the reference is the adapter switched off
+    full_reference_copy = False
+    cfg_doubles_train_rows = True  # GRPO's transitions at the rollout's guidance: true CFG, both branches
+    trains_on = "stochastic_steps"  # GRPO's transitions
+    shapes_world: ClassVar[str] = "collapses on every seed of the toy image-to-video world: docs/recipes/tagrpo.md"
+
+    @classmethod
+    def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
+        """None where sampler `sampler` feeds this recipe through balancer `balancer` (ComponentConfig each), else
+        the one-line reason and fix; the constructor raises the same (docs/recipes/compose.md)."""
+        why = grpo_composition_error(cls, sampler, balancer, train)
+        if why is None and (sampler.name != "sde" or not sampler.kwargs.get("same_latent", False)):
+            why = (
+                f"trainer: tagrpo aligns group members that share their initial noise, which sampler {sampler.name} "
+                f"(same_latent={sampler.kwargs.get('same_latent', False)}) does not give: use sampler sde with "
+                "same_latent: true"
+            )
+        return why
+
+    def __init__(self, cfg: RunConfig, accelerator=None):
+        a = cfg.train.tagrpo
+        self.parts = parts = grpo_parts(cfg, accelerator, type(self), whole_groups=True)
+        self.bank = MemoryBank(a)  # past rollouts (empty unless train.tagrpo.bank_size > 0)
+        if a.bank_size > 0 and parts.accelerator.num_processes > 1:
+            raise ValueError(
+                f"train.tagrpo.bank_size={a.bank_size} keeps each process's own rollouts, which one checkpoint "
+                f"cannot hold for {parts.accelerator.num_processes} processes yet; set train.tagrpo.bank_size=0 or "
+                "run one process"
+            )
+        if a.bank_size > 0:
+            parts.kept[BANK_GROUP] = self.bank  # its latents a tensor group beside the weights
+
+    def train_step(self) -> dict[str, float]:
+        t, parts = self.parts.cfg.train, self.parts
+        exp = kit.collect(parts)  # 1-5. prompts, rollout, score, gather, balance
+        if t.filter_zero_std:
+            exp.keep &= exp.advantages != 0
+
+        # 6. Optimise: the alignment's targets from the group and the bank, GRPO's loss with it beside
+        tic = timed(parts.accelerator.device)
+        usable = exp.keep.cpu() & ~exp.scores.failed
+        combined = weighted_total(exp.scores.scores, parts.weights)  # [N] Σ_k w_k r_k, NaN where none applies
+        alignment = step_alignment(t.tagrpo, self.bank, exp.rollout, exp.batch, combined, usable, parts.step)
+        metrics = exp.metrics | grpo_optimise(parts, exp.rollout, exp.advantages, exp.keep, exp.per_reward, regulariser=alignment)
+        return kit.finish_step(parts, exp, metrics, tic.seconds())  # 7. Log

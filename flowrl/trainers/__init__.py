@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flowrl import config as run_config
+from flowrl.experimental.tagrpo import TAGRPOConfig, TAGRPOTrainer
 from flowrl.trainers.adjoint import AdjointMatchingConfig, AdjointMatchingTrainer
 from flowrl.trainers.adv_grpo import AdvGRPOConfig, AdvGRPOTrainer
 from flowrl.trainers.awm import AWMConfig, AWMTrainer
@@ -30,6 +31,7 @@ TRAINERS: dict[str, type] = {
     "gdro": GDROTrainer,
     "adv_grpo": AdvGRPOTrainer,
     "smopd": SMOPDTrainer,
+    "tagrpo": TAGRPOTrainer,  # experimental (flowrl/experimental/tagrpo.py)
 }
 DEFAULT_TRAINER = "grpo"
 
@@ -78,6 +80,8 @@ __all__ = [
     "RAMTrainer",
     "SMOPDConfig",
     "SMOPDTrainer",
+    "TAGRPOConfig",
+    "TAGRPOTrainer",
     "build_config",
     "build_trainer",
     "load_config",

@@ -25,10 +25,9 @@ import torch
 import flowrl.trainers.kit as kit
 from flowrl import work
 from flowrl.config import RunConfig
-from flowrl.trainers.grpo import GRPOConfig, GRPOTrainer
+from flowrl.trainers.grpo import GRPOConfig, grpo_composition_error, grpo_optimise, grpo_parts
 from flowrl.training.adversarial import NAME, AdversarialConfig, AdversarialReward, References, schedule_step, validate
 from flowrl.training.clock import timed
-from flowrl.training.scoring import MeteredReward, Scorer
 
 RM_GROUP = "adversarial_rm"  # the RM's head and Adam moments beside the weights
 
@@ -40,14 +39,13 @@ class AdvGRPOConfig(GRPOConfig):
     """The adversarial reward model: backbone, references, schedule, head and its optimizer (keys train.adversarial.*)."""
 
 
-class AdvGRPOTrainer(GRPOTrainer):
+class AdvGRPOTrainer:
     config_class = AdvGRPOConfig
     name = "adv_grpo"
     adapter_copies = 0  # the reward model is a head of its own, not an adapter of the policy
     full_reference_copy = False
     cfg_doubles_train_rows = True  # GRPO's transitions at the rollout's guidance: true CFG, both branches
     trains_on = "stochastic_steps"  # GRPO's transitions
-    recipe_variants: ClassVar[dict[str, dict]] = {"": {}}
     shapes_world: ClassVar[str] = (
         "its prompt-blind DINO-head reward lowers the held-out exact accuracy on every seed run (race seeds 0-2: "
         "6.2 / 18.8 / 21.9% from 32.8%; docs/recipes/adv_grpo.md#measured-on-the-shapes-world)"
@@ -62,10 +60,7 @@ class AdvGRPOTrainer(GRPOTrainer):
                 f"balancer {balancer.name} balances per-reward gradients of the configured rewards, and adv_grpo adds "
                 "reward adversarial beside them: use balancer weighted_sum or gdpo with adv_grpo"
             )
-        if train is not None and train.tagrpo.enabled:
-            return "train.tagrpo is not part of adv_grpo: set train.tagrpo.enabled=false (or use trainer grpo)"
-        why = super().composition_error(sampler, balancer, train, rewards)
-        return why.replace("trainer: grpo", "trainer: adv_grpo") if why else None
+        return grpo_composition_error(cls, sampler, balancer, train)
 
     def __init__(self, cfg: RunConfig, accelerator=None):
         a = cfg.train.adversarial
@@ -77,15 +72,11 @@ class AdvGRPOTrainer(GRPOTrainer):
                 f"train.adversarial.references='world' renders the Shapes world, but model.path={cfg.model.path!r}: "
                 "pass a JSON file mapping prompt -> reference images"
             )
-        super().__init__(cfg, accelerator)
-        parts = self.parts
-        self.rm = AdversarialReward(a, cfg.seed, parts.accelerator)
+        # the step's scorer: the configured rewards and the RM (scored, not evaluated)
+        rm = {NAME: (lambda acc: AdversarialReward(a, cfg.seed, acc), a.weight)}
+        self.parts = parts = grpo_parts(cfg, accelerator, type(self), extra_rewards=rm)
+        self.rm = parts.extra_rewards[NAME]
         self.references = References(a.references)
-        parts.scorer.close()  # the step's scorer: the configured rewards and the RM
-        parts.scorer = Scorer(
-            {**parts.rewards, NAME: MeteredReward(self.rm, NAME)}, cfg.on_reward_error, cfg.train.use_async_rewards
-        )
-        parts.weights = {**parts.weights, NAME: a.weight}
         parts.counters.setdefault("rm_missing_references", 0)
         parts.kept[RM_GROUP] = self.rm  # its head and Adam moments (a tensor group) and version
 
@@ -118,7 +109,7 @@ class AdvGRPOTrainer(GRPOTrainer):
         if update_generator:
             if t.filter_zero_std:
                 exp.keep &= exp.advantages != 0
-            metrics |= self._optimise(exp.rollout, exp.advantages, exp.keep, exp.per_reward)
+            metrics |= grpo_optimise(parts, exp.rollout, exp.advantages, exp.keep, exp.per_reward)
 
         # 6c. RM step on (reference, sample) pairs, every process's pairs in one loss
         if update_rm:

@@ -36,7 +36,7 @@ from flowrl.losses import ADV_MODES, nft_loss, velocity_kl
 from flowrl.sigma_range import trainable_steps
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
-from flowrl.training.loop import RecipeConfig
+from flowrl.training.loop import RecipeConfig, RecipeParts
 from flowrl.types import select_cond
 
 OLD = "old"  # the sampling policy's adapter name; the trained one is "default"
@@ -98,6 +98,107 @@ def training_times(
     return torch.stack([candidates[torch.randperm(len(candidates), generator=g)[:k]] for g in generators])
 
 
+def nft_parts(cfg: RunConfig, accelerator, recipe: type, teachers: tuple[str, ...] = ()) -> tuple[RecipeParts, float]:
+    """(parts, guidance) of a run that trains DiffusionNFT's loss, after NFT's config checks and
+    `recipe.composition_error`: θ_old = θ (= the reference while LoRA B = 0), a second adapter on the same transformer
+    (saved with the run); `teachers`: more adapters the recipe fills itself (not saved); MARBLE's balancing or the
+    probe where asked; the guidance the data is collected and trained at (CFG refused)."""
+    t = cfg.train
+    if t.adv_mode not in ADV_MODES:
+        raise ValueError(f"train.adv_mode={t.adv_mode!r} must be one of {', '.join(ADV_MODES)}")
+    old_policy_decay(t.decay_type, 0)  # validates decay_type
+    if t.nft_beta <= 0 or t.adv_clip_max <= 0:
+        raise ValueError(f"train.nft_beta={t.nft_beta} and train.adv_clip_max={t.adv_clip_max} must be > 0")
+    if not cfg.model.use_lora:
+        raise ValueError(f"trainer: {recipe.name} needs model.use_lora=true (the sampling policy and the reference are adapters)")
+    if why := recipe.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
+        raise ValueError(why)
+    acc = accelerator or make_accelerator(cfg)
+    parts = kit.build_parts(cfg, acc, recipe, adapters=(OLD,), frozen_adapters=teachers)
+    guidance = kit.refuse_cfg(recipe, parts, "collects data CFG-free and trains the conditional velocity")
+    kit.reward_gradients(parts, True, t.adv_clip_max, t.log_reward_gradients)  # MARBLE, the probe
+    return parts, guidance
+
+
+def nft_step(parts: RecipeParts, guidance: float, extra_loss=None) -> dict[str, float]:
+    """One DiffusionNFT training step (stages 1-7): the rollout with the sampling policy θ_old, the NFT loss on its
+    endpoints (`nft_optimise`, with `extra_loss`), then the soft update of θ_old."""
+    t = parts.cfg.train
+    exp = kit.collect(parts, adapter=OLD)  # 1-5, the rollout with the sampling policy θ_old
+    x0 = exp.rollout.final_latents().to(parts.accelerator.device)  # [N, *latent_shape]: the clean endpoints
+    sigmas, cond = exp.rollout.sigmas.to(parts.accelerator.device), exp.rollout.cond  # [T+1]; rows [N]
+    exp.rollout = None  # the endpoints are all NFT keeps
+
+    # 6. Optimise, then the soft update of the sampling policy
+    tic = timed(parts.accelerator.device)
+    draws = seed_formulas.sample_generators(exp.batch.seeds, "cpu", seed_formulas.TRAIN_STREAM)  # a sample's t and ε
+    inputs = (x0, sigmas, cond, exp.advantages, exp.per_reward, exp.keep, draws)
+    metrics = exp.metrics | nft_optimise(parts, *inputs, guidance, extra_loss)
+    decay = old_policy_decay(t.decay_type, parts.opt.optimizer_steps, t.old_decay_max)
+    parts.model.soft_update_adapter(OLD, "default", decay)
+    metrics = kit.finish_step(parts, exp, metrics, tic.seconds())  # 7. Log
+    metrics["train/old_decay"] = decay
+    return metrics
+
+
+def nft_optimise(
+    parts: RecipeParts, x0, sigmas, cond, advantages, per_reward, keep, draws, guidance, extra_loss=None
+) -> dict[str, float]:
+    """Stage 6 of DiffusionNFT: the NFT loss at each sample's training times; the mean over the minibatch's kept
+    samples, accumulated over its times and `gradient_accumulation_steps` minibatches per optimizer step. A sample's
+    training times and noises come from its own generator (`draws`), so they do not depend on the batch or process
+    count. With per-reward gradients (MARBLE, the probe; per_reward [K, N]) each reward's policy loss is
+    backpropagated on its own and the KL outside them (flowrl.training.reward_gradients.RewardGradients).
+    `extra_loss(x_t, sigma, cond, v_theta)` -> [b] (e.g. SMOPD's distillation) is added beside it, reduced as it and
+    kept outside the per-reward balancing like the KL."""
+    grads = parts.reward_grads
+    t, acc, model, n = parts.cfg.train, parts.accelerator, parts.model, parts.local_n
+    gen = seed_formulas.step_generator(parts.cfg.seed, parts.step)
+    names = ("policy_loss", "kl", "r", "positive_loss", "negative_loss")
+    optimizer_steps, epoch = kit.OptimizerSteps(parts), None
+    for mb in optimizer_steps([torch.randperm(n, generator=gen) for _ in range(t.num_inner_epochs)], per_reward):
+        if mb.epoch != epoch:  # each epoch's training times, [N, K] grid indices
+            trainable = trainable_steps(model, sigmas)
+            epoch, times = mb.epoch, training_times(draws, sigmas, t.timestep_fraction, trainable)
+        rows, index = mb.rows, mb.index  # [b]
+        x0_b, keep_b, per_reward_b = x0[index], keep[index].float(), per_reward[:, index]  # [b, ...], [b], [K, b]
+        adv_b = grads.advantages(advantages[index], per_reward_b)  # [b]; MARBLE: Σ_k ᾱ_k A_k
+        kept = kept_per_process(acc, keep_b.sum())  # mean over every process's kept samples,
+        per_backward = t.gradient_accumulation_steps * times.shape[1]  # over times and accumulated minibatches
+        sub_cond = select_cond(cond, index)
+        for j in range(times.shape[1]):
+            sigma = sigmas[times[rows, j].to(acc.device)]  # [b]
+            noise = torch.stack([torch.randn(x0.shape[1:], generator=draws[i]) for i in rows.tolist()])
+            x_t = sde.forward_noise(x0_b, noise.to(acc.device), sigma)  # one fresh ε per (sample, t)
+            v_theta = model.velocity(x_t, sigma, sub_cond, guidance)
+            with torch.no_grad():
+                with model.using_adapter(OLD):
+                    v_old = model.velocity(x_t, sigma, sub_cond, guidance)
+                v_ref = None
+                if t.kl_coef > 0:
+                    with model.adapter_disabled():
+                        v_ref = model.velocity(x_t, sigma, sub_cond, guidance)
+            args = (t.adv_clip_max, t.nft_beta, t.kl_coef, t.adv_mode)
+            per_sample, s = nft_loss(v_theta, v_old, v_ref, x0_b, x_t, sigma, adv_b, *args)
+
+            def policy(a, v_theta=v_theta, v_old=v_old, x0_b=x0_b, x_t=x_t, sigma=sigma):
+                loss, _ = nft_loss(v_theta, v_old, None, x0_b, x_t, sigma, a, *args[:2], 0.0, t.adv_mode)
+                return (loss * keep_b).sum() / kept / per_backward
+
+            kl = None
+            if v_ref is not None:
+                kl = t.kl_coef * (velocity_kl(v_theta, v_ref) * keep_b).sum() / kept / per_backward
+            loss = (per_sample * keep_b).sum() / kept / per_backward
+            if extra_loss is not None:  # [b] beside NFT's loss, outside the per-reward balancing as the KL
+                extra = (extra_loss(x_t, sigma, sub_cond, v_theta) * keep_b).sum() / kept / per_backward
+                loss, kl = loss + extra, extra if kl is None else kl + extra
+            boundary = j == times.shape[1] - 1 and mb.closes_step
+            grads.backward_step(loss, policy, per_reward_b, kl, boundary=boundary)
+            optimizer_steps.losses.append(per_sample.detach().mean())
+            optimizer_steps.record({key: s[key] for key in names}, dtype=None)
+    return optimizer_steps.metrics()
+
+
 class NFTTrainer:
     config_class = NFTConfig
     name = "nft"
@@ -105,7 +206,6 @@ class NFTTrainer:
     full_reference_copy = False
     cfg_doubles_train_rows = False  # CFG-free (refused in the rollout)
     trains_on = "rollout_steps"  # training times among the rollout's grid times
-    frozen_adapters: tuple[str, ...] = ()  # adapters filled from elsewhere, not saved (a subclass's teachers)
 
     @classmethod
     def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
@@ -119,87 +219,7 @@ class NFTTrainer:
         return None
 
     def __init__(self, cfg: RunConfig, accelerator=None):
-        t = cfg.train
-        if t.adv_mode not in ADV_MODES:
-            raise ValueError(f"train.adv_mode={t.adv_mode!r} must be one of {', '.join(ADV_MODES)}")
-        old_policy_decay(t.decay_type, 0)  # validates decay_type
-        if t.nft_beta <= 0 or t.adv_clip_max <= 0:
-            raise ValueError(f"train.nft_beta={t.nft_beta} and train.adv_clip_max={t.adv_clip_max} must be > 0")
-        if not cfg.model.use_lora:
-            raise ValueError("trainer: nft needs model.use_lora=true (the sampling policy and the reference are adapters)")
-        if why := self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
-            raise ValueError(why)
-        # θ_old = θ (= the reference while LoRA B = 0), a second adapter on the same transformer
-        acc = accelerator or make_accelerator(cfg)
-        self.parts = parts = kit.build_parts(cfg, acc, type(self), adapters=(OLD,), frozen_adapters=self.frozen_adapters)
-        self.guidance = kit.refuse_cfg(NFTTrainer, parts, "collects data CFG-free and trains the conditional velocity")
-        kit.reward_gradients(parts, True, t.adv_clip_max, t.log_reward_gradients)  # MARBLE, the probe
+        self.parts, self.guidance = nft_parts(cfg, accelerator, type(self))
 
     def train_step(self) -> dict[str, float]:
-        parts, t = self.parts, self.parts.cfg.train
-        exp = kit.collect(parts, adapter=OLD)  # 1-5, the rollout with the sampling policy θ_old
-        x0 = exp.rollout.final_latents().to(parts.accelerator.device)  # [N, *latent_shape]: the clean endpoints
-        sigmas, cond = exp.rollout.sigmas.to(parts.accelerator.device), exp.rollout.cond  # [T+1]; rows [N]
-        exp.rollout = None  # the endpoints are all NFT keeps
-
-        # 6. Optimise, then the soft update of the sampling policy
-        tic = timed(parts.accelerator.device)
-        draws = seed_formulas.sample_generators(exp.batch.seeds, "cpu", seed_formulas.TRAIN_STREAM)  # a sample's t and ε
-        metrics = exp.metrics | self._optimise(x0, sigmas, cond, exp.advantages, exp.per_reward, exp.keep, draws)
-        decay = old_policy_decay(t.decay_type, parts.opt.optimizer_steps, t.old_decay_max)
-        parts.model.soft_update_adapter(OLD, "default", decay)
-        metrics = kit.finish_step(parts, exp, metrics, tic.seconds())  # 7. Log
-        metrics["train/old_decay"] = decay
-        return metrics
-
-    def _optimise(self, x0, sigmas, cond, advantages, per_reward, keep, draws: list[torch.Generator]) -> dict[str, float]:
-        """The NFT loss at each sample's training times; the mean over the minibatch's kept samples, accumulated
-        over its times and `gradient_accumulation_steps` minibatches per optimizer step. A sample's training times
-        and noises come from its own generator (`draws`), so they do not depend on the batch or process count.
-        With per-reward gradients (MARBLE, the probe; per_reward [K, N]) each reward's policy loss is backpropagated
-        on its own and the KL outside them (flowrl.training.reward_gradients.RewardGradients)."""
-        parts, grads = self.parts, self.parts.reward_grads
-        t, acc, model, n = parts.cfg.train, parts.accelerator, parts.model, parts.local_n
-        gen = seed_formulas.step_generator(parts.cfg.seed, parts.step)
-        names = ("policy_loss", "kl", "r", "positive_loss", "negative_loss")
-        optimizer_steps, epoch = kit.OptimizerSteps(parts), None
-        for mb in optimizer_steps([torch.randperm(n, generator=gen) for _ in range(t.num_inner_epochs)], per_reward):
-            if mb.epoch != epoch:  # each epoch's training times, [N, K] grid indices
-                epoch, times = mb.epoch, training_times(draws, sigmas, t.timestep_fraction, trainable_steps(model, sigmas))
-            rows, index = mb.rows, mb.index  # [b]
-            x0_b, keep_b, per_reward_b = x0[index], keep[index].float(), per_reward[:, index]  # [b, ...], [b], [K, b]
-            adv_b = grads.advantages(advantages[index], per_reward_b)  # [b]; MARBLE: Σ_k ᾱ_k A_k
-            kept = kept_per_process(acc, keep_b.sum())  # mean over every process's kept samples,
-            per_backward = t.gradient_accumulation_steps * times.shape[1]  # over times and accumulated minibatches
-            sub_cond = select_cond(cond, index)
-            for j in range(times.shape[1]):
-                sigma = sigmas[times[rows, j].to(acc.device)]  # [b]
-                noise = torch.stack([torch.randn(x0.shape[1:], generator=draws[i]) for i in rows.tolist()])
-                x_t = sde.forward_noise(x0_b, noise.to(acc.device), sigma)  # one fresh ε per (sample, t)
-                v_theta = model.velocity(x_t, sigma, sub_cond, self.guidance)
-                with torch.no_grad():
-                    with model.using_adapter(OLD):
-                        v_old = model.velocity(x_t, sigma, sub_cond, self.guidance)
-                    v_ref = None
-                    if t.kl_coef > 0:
-                        with model.adapter_disabled():
-                            v_ref = model.velocity(x_t, sigma, sub_cond, self.guidance)
-                args = (t.adv_clip_max, t.nft_beta, t.kl_coef, t.adv_mode)
-                per_sample, s = nft_loss(v_theta, v_old, v_ref, x0_b, x_t, sigma, adv_b, *args)
-
-                def policy(a, v_theta=v_theta, v_old=v_old, x0_b=x0_b, x_t=x_t, sigma=sigma):
-                    loss, _ = nft_loss(v_theta, v_old, None, x0_b, x_t, sigma, a, *args[:2], 0.0, t.adv_mode)
-                    return (loss * keep_b).sum() / kept / per_backward
-
-                kl = t.kl_coef * (velocity_kl(v_theta, v_ref) * keep_b).sum() / kept / per_backward if v_ref is not None else None
-                loss = (per_sample * keep_b).sum() / kept / per_backward
-                if (extra := self.extra_loss(x_t, sigma, sub_cond, v_theta)) is not None:  # [b]: a subclass's term
-                    extra = (extra * keep_b).sum() / kept / per_backward
-                    loss, kl = loss + extra, extra if kl is None else kl + extra
-                grads.backward_step(loss, policy, per_reward_b, kl, boundary=j == times.shape[1] - 1 and mb.closes_step)
-                optimizer_steps.losses.append(per_sample.detach().mean())
-                optimizer_steps.record({key: s[key] for key in names}, dtype=None)
-        return optimizer_steps.metrics()
-
-    def extra_loss(self, x_t, sigma, cond, v_theta) -> torch.Tensor | None:  # [b] beside NFT's, reduced as it, outside
-        return None  # the per-reward balancing as the KL (SMOPD's distillation); none here
+        return nft_step(self.parts, self.guidance)

@@ -30,7 +30,7 @@ import torch
 import flowrl.trainers.kit as kit
 from flowrl.config import RunConfig, build_config, to_dict
 from flowrl.losses import blended_velocity, velocity_distill_loss
-from flowrl.trainers.nft import NFTConfig, NFTTrainer
+from flowrl.trainers.nft import NFTConfig, NFTTrainer, nft_parts, nft_step
 from flowrl.training.clock import timed
 from flowrl.training.distributed import full, like, make_accelerator
 from flowrl.training.loop import metered_step
@@ -141,7 +141,7 @@ def train_teachers(cfg: RunConfig, acc, folder: Path) -> dict:
     return manifest
 
 
-class SMOPDTrainer(NFTTrainer):
+class SMOPDTrainer:
     config_class = SMOPDConfig
     name = "smopd"
     adapter_copies = 1  # OLD; the teachers ride beside it, one adapter each (frozen, len(teacher_specs(cfg)))
@@ -149,6 +149,11 @@ class SMOPDTrainer(NFTTrainer):
     cfg_doubles_train_rows = False  # NFT's: CFG-free
     trains_on = "rollout_steps"  # NFT's training times among the rollout's grid times
     plan_overrides = ("train.teacher_steps=1",)  # flowrl plan prices a student step; the teachers are offline work
+
+    @classmethod
+    def composition_error(cls, sampler, balancer, train=None, rewards=()) -> str | None:
+        """DiffusionNFT's (the student and the teachers are NFT runs; docs/recipes/compose.md)."""
+        return NFTTrainer.composition_error(sampler, balancer, train, rewards)
 
     def __init__(self, cfg: RunConfig, accelerator=None):
         t, specs = cfg.train, teacher_specs(cfg)
@@ -166,8 +171,8 @@ class SMOPDTrainer(NFTTrainer):
         self.teacher_manifest = train_teachers(cfg, acc, folder)
         self.offline_work = dict(self.teacher_manifest["work"])  # billed at the first step (flowrl plan leaves it out)
         self.teacher_names = [f"teacher_{i}" for i in range(len(specs))]
-        self.frozen_adapters = tuple(self.teacher_names)
-        super().__init__(cfg, acc)  # the student: θ and θ_old at the reference, the teachers as extra adapters
+        # the student: θ and θ_old at the reference, the teachers as extra adapters
+        self.parts, self.guidance = nft_parts(cfg, acc, type(self), teachers=tuple(self.teacher_names))
         for index, name in enumerate(self.teacher_names):
             saved = torch.load(folder / f"teacher_{index}.pt", map_location="cpu", weights_only=True)
             live = self.parts.model.adapter_parameters(name)
@@ -177,8 +182,8 @@ class SMOPDTrainer(NFTTrainer):
             for tensor in live.values():
                 tensor.requires_grad_(False)
 
-    def extra_loss(self, x_t, sigma, cond, v_theta) -> torch.Tensor:
-        """distill_coef · mean((v_S − sg(Σ_k λ_k v_k))²) per sample at this training time."""
+    def distill(self, x_t, sigma, cond, v_theta) -> torch.Tensor:
+        """distill_coef · mean((v_S − sg(Σ_k λ_k v_k))²) per sample at this training time [b]."""
         model = self.parts.model
         with torch.no_grad():
             velocities = []
@@ -193,7 +198,7 @@ class SMOPDTrainer(NFTTrainer):
 
     def train_step(self) -> dict[str, float]:
         first, self.distill_losses = self.parts.step == 0, []
-        metrics = super().train_step()
+        metrics = nft_step(self.parts, self.guidance, extra_loss=self.distill)  # DiffusionNFT's, with the distillation
         metrics["train/distill_loss"] = float(torch.stack(self.distill_losses).mean())  # before distill_coef
         if first:  # the teachers' work and seconds, billed once (flowrl plan leaves them out of the per-step price)
             metrics |= kit.bill_offline(self.parts, self.teacher_manifest)

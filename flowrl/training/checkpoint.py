@@ -42,6 +42,9 @@ from flowrl.training.runs import CHECKPOINTS, step_dir_name, step_of
 FAULT_ENV = "FLOWRL_FAULT_KILL_DURING_CHECKPOINT"
 # keys that may differ between a checkpoint's config and the config that resumes it
 RESUMABLE_DIFFERENCES = ("num_steps", "checkpoint.", "logging.", "eval.", "device", "output_dir", "distributed_timeout_s")
+# config sections a recipe no longer holds, with the switch that had them off: a checkpoint written with the section
+# switched off resumes without it (TAGRPO left the GRPO recipe's train.tagrpo for a recipe of its own, trainer: tagrpo)
+RETIRED_SECTIONS = {"train.tagrpo.": ("train.tagrpo.enabled", False)}
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -247,10 +250,14 @@ def field_default(cfg: Any, dotted: str) -> Any:
 def config_differences(saved: dict, current: dict, cfg: Any = None) -> list[str]:
     """Dotted keys whose values differ between a checkpoint's config and the current one (resumable keys excluded).
     With the current config object `cfg`, a key the checkpoint lacks (written by a flowrl before the key existed)
-    does not differ while the current value is the key's default, the behaviour the older run had."""
+    does not differ while the current value is the key's default, the behaviour the older run had; a section the
+    current schema no longer holds (RETIRED_SECTIONS) does not differ where the checkpoint had it switched off."""
     from flowrl.config import flatten, to_dict
 
     a, b = flatten(saved), flatten(current)
+    for prefix, (switch, off) in RETIRED_SECTIONS.items():
+        if a.get(switch, off) == off and not any(k.startswith(prefix) for k in b):
+            a = {k: v for k, v in a.items() if not k.startswith(prefix)}
     keys = sorted(set(a) | set(b))
     out = []
     for k in keys:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import flowrl.trainers.grpo as grpo
 import flowrl.trainers.kit as kit
 from flowrl import sde
 from flowrl.losses import clipped_policy_loss
@@ -382,20 +383,23 @@ def toy_gradient_run(tmp_path, option, shift):
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     seen, grads = {}, {}
-    optimise, step = trainer._optimise, trainer.parts.opt.step
+    optimise, step = grpo.grpo_optimise, trainer.parts.opt.step
 
-    def shifted(rollout, advantages, keep, *rest):
+    def shifted(parts, rollout, advantages, keep, *rest):
         rollout.log_probs[0] += shift
         rollout.log_probs[1] -= shift
         seen.update(rollout=rollout, advantages=advantages.clone())
-        return optimise(rollout, advantages, keep, *rest)
+        return optimise(parts, rollout, advantages, keep, *rest)
 
     def capture(losses):
         grads.update({n: p.grad.detach().clone() for n, p in zip(trainer.parts.opt.names, trainer.parts.opt.params)})
         return step(losses)
 
-    trainer._optimise, trainer.parts.opt.step = shifted, capture
-    trainer.train_step()
+    grpo.grpo_optimise, trainer.parts.opt.step = shifted, capture
+    try:
+        trainer.train_step()
+    finally:
+        grpo.grpo_optimise = optimise
     return trainer, seen["rollout"], seen["advantages"], grads
 
 

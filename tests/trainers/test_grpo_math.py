@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import flowrl.trainers.grpo as grpo
 from flowrl.trainers import build_config
 from flowrl.trainers.grpo import GRPOTrainer
 
@@ -53,22 +54,25 @@ def run_one_step(cfg):
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     captured, seen = {}, {}
-    original_optimise, original_step = trainer._optimise, trainer.parts.opt.step
+    original_optimise, original_step = grpo.grpo_optimise, trainer.parts.opt.step
 
-    def optimise(rollout, advantages, keep, *rest):  # rest: the per-reward advantages (MARBLE's)
+    def optimise(parts, rollout, advantages, keep, *rest):  # rest: the per-reward advantages (MARBLE's)
         # shift some stored log-probs so that ratios leave the clip band on both sides
         rollout.log_probs[0] += 2 * CLIP
         rollout.log_probs[1] -= 2 * CLIP
         seen.update(rollout=rollout, advantages=advantages.clone())
-        return original_optimise(rollout, advantages, keep, *rest)
+        return original_optimise(parts, rollout, advantages, keep, *rest)
 
     def step(losses):
         for name, p in zip(trainer.parts.opt.names, trainer.parts.opt.params):
             captured[name] = captured.get(name, 0) + p.grad.detach().clone()
         return original_step(losses)
 
-    trainer._optimise, trainer.parts.opt.step = optimise, step
-    trainer.train_step()
+    grpo.grpo_optimise, trainer.parts.opt.step = optimise, step
+    try:
+        trainer.train_step()
+    finally:
+        grpo.grpo_optimise = original_optimise
     return trainer, seen["rollout"], seen["advantages"], captured
 
 

@@ -6,8 +6,8 @@ from test_trainer_contract import toy_config
 
 import flowrl.trainers.kit as kit
 from flowrl.config import flatten, to_dict
-from flowrl.experimental.tagrpo import TAGRPOConfig
 from flowrl.trainers import build_trainer
+from flowrl.trainers.ais import AISConfig
 from flowrl.training.checkpoint import config_differences, field_default
 
 
@@ -26,15 +26,28 @@ def older(saved: dict, *dotted: str) -> dict:
 def test_a_key_new_since_the_checkpoint_at_its_default_is_no_difference(tmp_path):
     cfg = toy_config(tmp_path, "grpo")
     current = to_dict(cfg)
-    saved = older(cfg, "data.noise_pool", "train.tagrpo.coef")
-    assert field_default(cfg, "train.tagrpo.coef") == TAGRPOConfig().coef and field_default(cfg, "data.noise_pool") == 0
+    saved = older(cfg, "data.noise_pool", "train.ais.max_weight")
+    assert field_default(cfg, "train.ais.max_weight") == AISConfig().max_weight
+    assert field_default(cfg, "data.noise_pool") == 0
     assert config_differences(saved, current, cfg) == []
-    assert config_differences(saved, current) == ["data.noise_pool", "train.tagrpo.coef"]  # without the schema: strict
+    assert config_differences(saved, current) == ["data.noise_pool", "train.ais.max_weight"]  # without the schema
     changed = toy_config(tmp_path, "grpo", **{"data.noise_pool": 2})
     assert config_differences(saved, to_dict(changed), changed) == ["data.noise_pool"]
     other = toy_config(tmp_path, "grpo", **{"train.learning_rate": 0.5})
     assert config_differences(to_dict(cfg), to_dict(other), other) == ["train.learning_rate"]
-    assert "train.tagrpo.coef" in flatten(current)
+    assert "train.ais.max_weight" in flatten(current)
+
+
+def test_a_retired_section_switched_off_in_the_checkpoint_is_no_difference(tmp_path):
+    """A GRPO checkpoint written while the recipe held TAGRPO's train.tagrpo section (trainer: tagrpo now) resumes
+    where that section was off, and is refused where it was on."""
+    cfg = toy_config(tmp_path, "grpo")
+    current = to_dict(cfg)
+    saved = to_dict(cfg)
+    saved["train"]["tagrpo"] = {"enabled": False, "coef": 0.1, "bank_size": 0}
+    assert config_differences(saved, current, cfg) == []
+    saved["train"]["tagrpo"]["enabled"] = True
+    assert config_differences(saved, current, cfg) == ["train.tagrpo.bank_size", "train.tagrpo.coef", "train.tagrpo.enabled"]
 
 
 def test_resume_refuses_a_changed_key_with_a_one_line_error(tmp_path):

@@ -96,7 +96,7 @@ def test_teachers_are_trained_saved_reused_and_refused(tmp_path):
     v_student = model.velocity(x_t, sigma, cond, 1.0)
     d = (v_student - v_teacher).detach()
     expected = d.square().mean((1, 2, 3)) / (d.abs().mean((1, 2, 3)) + 1e-8)
-    assert torch.allclose(trainer.extra_loss(x_t, sigma, cond, v_student), expected, rtol=1e-5)
+    assert torch.allclose(trainer.distill(x_t, sigma, cond, v_student), expected, rtol=1e-5)
 
     first = trainer.train_step()  # the teachers' work billed at the first step, once
     assert first["perf/offline_s"] == manifest["seconds"] and first["train/distill_loss"] > 0

@@ -1,4 +1,4 @@
-"""TAGRPO's trajectory alignment (flowrl/experimental/tagrpo.py, train.tagrpo in the GRPO recipe): the targets, the loss and
+"""TAGRPO's trajectory alignment (flowrl/experimental/tagrpo.py, the recipe `trainer: tagrpo`): the targets, the loss and
 its clip by hand, the memory bank's eviction and weights, coef 0 equal to plain GRPO, the alignment loss lowering
 the distance to better members on the toy model, and resume with a bank bit for bit."""
 
@@ -9,7 +9,7 @@ import torch
 from test_trainer_contract import assert_same, toy_config, trainable
 
 import flowrl.trainers.kit as kit
-from flowrl.experimental.tagrpo import Alignment, MemoryBank, TAGRPOConfig, alignment_loss, start_key
+from flowrl.experimental.tagrpo import Alignment, AlignmentConfig, MemoryBank, alignment_loss, start_key
 from flowrl.sde import StepRule
 from flowrl.trainers import build_trainer
 from flowrl.types import Rollout
@@ -42,7 +42,7 @@ def test_targets_are_the_hand_computed_weighted_means_of_better_and_worse_member
     # group 0: rewards 1, 2, 4 (pair weights ∝ reward differences); group 1: one sample, no partner
     rollout = hand_rollout([(1.0, 0), (2.0, 0), (4.0, 0), (5.0, 1)])
     rewards = torch.tensor([1.0, 2.0, 4.0, 5.0])
-    align = Alignment(TAGRPOConfig(enabled=True), MemoryBank(TAGRPOConfig()))
+    align = Alignment(AlignmentConfig(), MemoryBank(AlignmentConfig()))
     align.prepare(rollout, rewards, torch.ones(4, dtype=torch.bool), ["a", "a", "a", "b"], step=0)
     z_pos, has_pos, z_neg, has_neg, bank = align.targets(torch.arange(4), torch.ones(4, dtype=torch.int64))
     z = rollout.latents[:, 2]  # the next latents of step k = 1
@@ -58,7 +58,7 @@ def test_a_member_whose_step_was_deterministic_is_no_partner_there():
     # member 1 took an ODE step at k = 1 (its window was elsewhere): only member 2 is a better partner of row 0 there
     table = torch.tensor([(0, 0), (0, 1), (1, 0), (2, 0), (2, 1)])
     rollout = hand_rollout([(1.0, 0), (2.0, 0), (4.0, 0)], table)
-    align = Alignment(TAGRPOConfig(enabled=True), MemoryBank(TAGRPOConfig()))
+    align = Alignment(AlignmentConfig(), MemoryBank(AlignmentConfig()))
     align.prepare(rollout, torch.tensor([1.0, 2.0, 4.0]), torch.ones(3, dtype=torch.bool), ["a"] * 3, step=0)
     z_pos, _, _, _, _ = align.targets(torch.tensor([0, 0]), torch.tensor([1, 0]))
     torch.testing.assert_close(z_pos[0], rollout.latents[2, 2])
@@ -67,7 +67,7 @@ def test_a_member_whose_step_was_deterministic_is_no_partner_there():
 
 def test_a_failed_member_is_no_partner():
     rollout = hand_rollout([(1.0, 0), (2.0, 0), (4.0, 0)])
-    align = Alignment(TAGRPOConfig(enabled=True), MemoryBank(TAGRPOConfig()))
+    align = Alignment(AlignmentConfig(), MemoryBank(AlignmentConfig()))
     usable = torch.tensor([True, True, False])
     align.prepare(rollout, torch.tensor([1.0, 2.0, float("nan")]), usable, ["a"] * 3, step=0)
     z_pos, has_pos, _, has_neg, _ = align.targets(torch.tensor([0, 2]), torch.tensor([0, 0]))
@@ -107,22 +107,22 @@ def test_log_distance_by_hand():
     (grad,) = torch.autograd.grad(clipped.sum(), mean)
     torch.testing.assert_close(grad, torch.tensor([[2.0, 4.0]]) / 5)
     with pytest.raises(ValueError, match="train.tagrpo.distance"):
-        TAGRPOConfig(distance="l1")
+        AlignmentConfig(distance="l1")
 
 
 def test_bank_evicts_by_rule_and_weights_entries_by_age():
     z = torch.zeros(3, 1, 2, 2)
-    bank = MemoryBank(TAGRPOConfig(bank_size=2, bank_decay=0.5))
+    bank = MemoryBank(AlignmentConfig(bank_size=2, bank_decay=0.5))
     for step, (reward, u) in enumerate([(1.0, 0.1), (2.0, -2.0), (3.0, 0.5)]):
         bank.add("a", 0, z + step, reward, u, step)
     latents, rewards, weights = bank.lookup("a", 0, step=4)
     assert rewards == [2.0, 3.0] and weights == [0.5**3, 0.5**2]  # the oldest went
     assert torch.equal(latents[0], z + 1)
-    bank = MemoryBank(TAGRPOConfig(bank_size=2, eviction="smallest_advantage"))
+    bank = MemoryBank(AlignmentConfig(bank_size=2, eviction="smallest_advantage"))
     for step, (reward, u) in enumerate([(1.0, 0.1), (2.0, -2.0), (3.0, 0.5)]):
         bank.add("a", 0, z, reward, u, step)
     assert bank.lookup("a", 0, step=3)[1] == [2.0, 3.0]  # |u| = 0.1 went
-    bank = MemoryBank(TAGRPOConfig(bank_size=4, bank_capacity=3))
+    bank = MemoryBank(AlignmentConfig(bank_size=4, bank_capacity=3))
     for step in range(5):
         bank.add(f"k{step % 2}", step % 3, z, float(step), 0.0, step)
     assert len(bank) == 3 and sorted(e["step"] for s in bank.entries.values() for e in s) == [2, 3, 4]
@@ -136,7 +136,7 @@ def test_bank_evicts_by_rule_and_weights_entries_by_age():
 
 def test_bank_entries_join_the_targets_with_their_age_weight():
     rollout = hand_rollout([(1.0, 0), (2.0, 0), (4.0, 0)])
-    cfg = TAGRPOConfig(enabled=True, bank_size=4, bank_decay=0.5)
+    cfg = AlignmentConfig(bank_size=4, bank_decay=0.5)
     bank = MemoryBank(cfg)
     old = torch.full((1, 2, 2), 9.0)
     bank.add("a", 1, old, reward=3.0, u=0.0, step=2)  # one step old at step 3: weight 0.5
@@ -156,13 +156,13 @@ def test_start_key_names_prompt_source_and_noise():
     assert start_key("a", {}, 7) != start_key("a", {}, 8) and start_key("a", {}, 7) == start_key("a", {"other": 1}, 7)
 
 
-TAGRPO = {"sampler.same_latent": True, "train.tagrpo.enabled": True, "data.group_size": 3}
+TAGRPO = {"sampler.same_latent": True, "data.group_size": 3}
 
 
 def test_coef_zero_trains_exactly_as_plain_grpo(tmp_path):
     plain = build_trainer(toy_config(tmp_path / "a", "grpo", **{"sampler.same_latent": True, "data.group_size": 3}))
     plain.train_step()
-    aligned = build_trainer(toy_config(tmp_path / "b", "grpo", **TAGRPO, **{"train.tagrpo.coef": 0.0}))
+    aligned = build_trainer(toy_config(tmp_path / "b", "tagrpo", **TAGRPO, **{"train.tagrpo.coef": 0.0}))
     metrics = aligned.train_step()
     assert_same(trainable(plain), trainable(aligned))
     assert metrics["train/tagrpo_attract"] > 0 and "train/tagrpo_bank_entries" in metrics
@@ -173,11 +173,12 @@ def test_the_alignment_loss_moves_the_step_mean_toward_better_members(tmp_path):
     of each trained transition's step mean to its better members' next latents (4 inner epochs on one rollout)."""
     from flowrl.balancers import weighted_total
     from flowrl.experimental.tagrpo import step_alignment
+    from flowrl.trainers.grpo import grpo_optimise
     from flowrl.training.scoring import balance_per_reward, rollout_and_score
 
     cfg = toy_config(
         tmp_path,
-        "grpo",
+        "tagrpo",
         **{
             **TAGRPO,
             "train.learning_rate": 1e-2,
@@ -209,17 +210,17 @@ def test_the_alignment_loss_moves_the_step_mean_toward_better_members(tmp_path):
         return float(d[has_pos].mean())
 
     before = distance()
-    trainer._optimise(rollout, torch.zeros(len(keep)), keep, torch.zeros_like(per_reward), alignment)
+    grpo_optimise(parts, rollout, torch.zeros(len(keep)), keep, torch.zeros_like(per_reward), regulariser=alignment)
     after = distance()
     assert after < before - 2e-3, (before, after)  # measured 0.5097 -> 0.5062 (the noise floor is 0.5)
 
 
 def test_resume_with_a_memory_bank_ends_bit_for_bit(tmp_path):
     bank = {**TAGRPO, "train.tagrpo.bank_size": 2, "checkpoint.every_n_steps": 1}
-    straight = build_trainer(toy_config(tmp_path / "s", "grpo", num_steps=2, **bank))
+    straight = build_trainer(toy_config(tmp_path / "s", "tagrpo", num_steps=2, **bank))
     kit.train(straight)
-    kit.train(build_trainer(toy_config(tmp_path / "r", "grpo", num_steps=1, **bank)))
-    resumed = build_trainer(toy_config(tmp_path / "r", "grpo", num_steps=2, **bank, **{"checkpoint.resume": "latest"}))
+    kit.train(build_trainer(toy_config(tmp_path / "r", "tagrpo", num_steps=1, **bank)))
+    resumed = build_trainer(toy_config(tmp_path / "r", "tagrpo", num_steps=2, **bank, **{"checkpoint.resume": "latest"}))
     kit.train(resumed)
     assert len(straight.bank) > 0
     assert_same(trainable(straight), trainable(resumed))
@@ -228,9 +229,9 @@ def test_resume_with_a_memory_bank_ends_bit_for_bit(tmp_path):
 
 def test_tagrpo_needs_a_shared_initial_noise(tmp_path):
     with pytest.raises(ValueError, match="same_latent: true"):
-        build_trainer(toy_config(tmp_path, "grpo", **{**TAGRPO, "sampler.same_latent": False}))
+        build_trainer(toy_config(tmp_path, "tagrpo", **{**TAGRPO, "sampler.same_latent": False}))
     with pytest.raises(ValueError, match="train.tagrpo.eviction"):
-        TAGRPOConfig(eviction="lru")
+        AlignmentConfig(eviction="lru")
 
 
 def test_noise_pool_makes_a_prompts_starts_recur():

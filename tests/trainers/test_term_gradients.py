@@ -26,6 +26,7 @@ must stay below that atol: the measured ones are below 2e-6 of the largest entry
 """
 
 import math
+import sys
 
 import pytest
 import torch
@@ -157,19 +158,24 @@ def grpo_config(tmp_path, trainer="grpo", **overrides):
 
 def grpo_step(trainer) -> tuple[OptimizerSteps, dict]:
     """One train_step with adapter `default` set apart from the reference and the stored log-probs of samples 0 and 1
-    moved by ±2ε, so that their ratios leave the clip band on both sides."""
+    moved by ±2ε, so that their ratios leave the clip band on both sides (GRPO's stage 6, `grpo_optimise`, wrapped
+    in the recipe's module)."""
     set_adapter_apart(trainer.parts.model, "default", seed=0, scale=0.05)
     steps, seen = OptimizerSteps(trainer), {}
-    original = trainer._optimise
+    module = sys.modules[type(trainer).__module__]
+    original = module.grpo_optimise
 
-    def optimise(rollout, advantages, keep, *rest):
+    def optimise(parts, rollout, advantages, keep, *rest, **options):
         rollout.log_probs[0] += 2 * CLIP
         rollout.log_probs[1] -= 2 * CLIP
         seen["inputs"] = rollout, advantages.clone(), keep.clone()
-        return original(rollout, advantages, keep, *rest)
+        return original(parts, rollout, advantages, keep, *rest, **options)
 
-    trainer._optimise = optimise
-    trainer.train_step()
+    module.grpo_optimise = optimise
+    try:
+        trainer.train_step()
+    finally:
+        module.grpo_optimise = original
     assert len(steps.grads) == 1
     steps.restore(0)
     return steps, seen
@@ -276,11 +282,13 @@ def test_adv_grpo_step_gradients_are_grpo_s_terms_and_the_rm_hinge_by_hand(tmp_p
 
 
 def record_noising(monkeypatch, trainer) -> dict:
-    """Records every sde.forward_noise(x0, ε, σ) call of the trainer's stage 6 (`_optimise`) in seen["noising"] and
-    its arguments in seen["_optimise"]."""
+    """Records every sde.forward_noise(x0, ε, σ) call of the trainer's stage 6 (flowrl.trainers.nft.nft_optimise) in
+    seen["noising"] and its tensor arguments (x0, sigmas, cond, advantages, per_reward, keep, draws) in
+    seen["_optimise"]."""
     import flowrl.sde
+    import flowrl.trainers.nft
 
-    seen, original, noise = {"noising": []}, trainer._optimise, flowrl.sde.forward_noise
+    seen, original, noise = {"noising": []}, flowrl.trainers.nft.nft_optimise, flowrl.sde.forward_noise
     inside = [False]
 
     def forward_noise(x0, eps, sigma):
@@ -288,15 +296,15 @@ def record_noising(monkeypatch, trainer) -> dict:
             seen["noising"].append((x0.detach().clone(), eps.detach().clone(), torch.as_tensor(sigma).clone()))
         return noise(x0, eps, sigma)
 
-    def optimise(*args):
-        seen["_optimise"], inside[0] = args, True
+    def optimise(parts, *args):
+        seen["_optimise"], inside[0] = args[:7], True
         try:
-            return original(*args)
+            return original(parts, *args)
         finally:
             inside[0] = False
 
     monkeypatch.setattr(flowrl.sde, "forward_noise", forward_noise)
-    trainer._optimise = optimise
+    monkeypatch.setattr(flowrl.trainers.nft, "nft_optimise", optimise)
     return seen
 
 

@@ -30,6 +30,7 @@ REWARD = "redness.RednessReward"  # the registries' dotted-path fallback: tests/
 SAMPLER = {"name": "sde", "num_steps": 2, "guidance_scale": 1.0, "noise_level": 0.8}
 RECIPE_SAMPLERS = {  # recipes that need a particular rollout (each refuses any other at config time)
     "adjoint_matching": {**SAMPLER, "noise_level": 2**0.5, "sigma_schedule": "dance", "sigma_shift": 1.0, "sigma_max": 0.9},
+    "tagrpo": {**SAMPLER, "same_latent": True},  # a group shares its initial noise
 }
 
 

@@ -79,6 +79,10 @@ class DataConfig:
     """Prompts written in the config."""
     toy_split: str | None = None
     """'train' or 'heldout': the prompts of the Shapes world's split (the toy configs use this)."""
+    prompt_set: str | None = None
+    """A named prompt set (flowrl/prompt_sets.py; `flowrl prompts` writes it to a file): geneval:train, geneval:test,
+    ocr:train, ocr:test, pickscore:train, pickscore:test, drawbench; a name without a split is its test split.
+    GenEval's records give each prompt its metadata (tag, include, exclude) for the `geneval` reward."""
     toy_sources: bool = False
     """With toy_split: give each prompt its toy source image (`metadata["image"]`, flowrl/toy/sources.py), for the toy
     image-to-video model (model.family_kwargs.source_weight > 0)."""
@@ -130,6 +134,8 @@ class EvalConfig:
     prompts: list[str] | None = None
     prompts_file: str | None = None
     toy_split: str | None = None
+    prompt_set: str | None = None
+    """A named prompt set, as data.prompt_set (e.g. geneval:test, the benchmark's 553 prompts)."""
     toy_sources: bool = False
     """With toy_split: give each prompt its toy source image, as data.toy_sources."""
     num_prompts: int | None = None
@@ -354,9 +360,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"model.mixed_precision={cfg.model.mixed_precision!r} must be fp32, bf16 or fp16")
     if not cfg.rewards:
         raise ConfigError("rewards is empty: list at least one reward, e.g. rewards: [{name: toy_attributes}]")
-    sources = [cfg.data.prompts_file, cfg.data.prompts, cfg.data.toy_split]
+    sources = [cfg.data.prompts_file, cfg.data.prompts, cfg.data.toy_split, cfg.data.prompt_set]
     if sum(s is not None for s in sources) != 1:
-        raise ConfigError("data needs exactly one of prompts_file, prompts, toy_split")
+        raise ConfigError("data needs exactly one of prompts_file, prompts, toy_split, prompt_set")
     for section in ("data", "eval"):
         part = getattr(cfg, section)
         if part.toy_sources and part.toy_split is None:

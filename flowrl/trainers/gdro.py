@@ -131,7 +131,8 @@ class GDROTrainer:
                 f"train.num_minibatches={t.num_minibatches} must divide the {groups} prompt groups each process holds "
                 "(gdro ranks whole groups); set it to 1 or a divisor"
             )
-        prompts, self.metadata = load_prompt_records(d.prompts, d.prompts_file, d.toy_split, "data", d.toy_sources)
+        sources = (d.prompts, d.prompts_file, d.toy_split, "data", d.toy_sources, d.prompt_set)
+        prompts, self.metadata = load_prompt_records(*sources)
         self.prompt_index = {p: i for i, p in reversed(list(enumerate(prompts)))}  # a repeated prompt: its first pool
         self.pool = build_pool(cfg, acc, parts.model, parts.sampler, parts.rewards, prompts, self.metadata)
         self.offline_work = dict(self.pool.manifest["work"])  # billed at the first step (flowrl plan leaves it out)

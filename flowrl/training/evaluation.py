@@ -380,11 +380,13 @@ class Evaluator:
     def from_config(cls, cfg, model: FlowModel, rewards: dict[str, Reward] | None = None) -> Evaluator:
         """From a run config; `rewards` are the already-built training rewards (built here when None)."""
         e = cfg.eval
-        if e.prompts or e.prompts_file or e.toy_split:
-            prompts, metadata = load_prompt_records(e.prompts, e.prompts_file, e.toy_split, "eval", e.toy_sources)
+        if e.prompts or e.prompts_file or e.toy_split or e.prompt_set:
+            sources = (e.prompts, e.prompts_file, e.toy_split, "eval", e.toy_sources, e.prompt_set)
+            prompts, metadata = load_prompt_records(*sources)
         else:
             d = cfg.data
-            prompts, metadata = load_prompt_records(d.prompts, d.prompts_file, d.toy_split, "data", d.toy_sources)
+            sources = (d.prompts, d.prompts_file, d.toy_split, "data", d.toy_sources, d.prompt_set)
+            prompts, metadata = load_prompt_records(*sources)
         rewards = rewards if rewards is not None else build_rewards(cfg.rewards, model.device)
         gold = build_rewards(e.gold_rewards, model.device)
         return cls(model, rewards, gold, e, dict(cfg.sampler.kwargs), prompts, metadata)

@@ -33,6 +33,7 @@ def load_prompt_records(
     toy_split: str | None,
     where: str,
     toy_sources: bool = False,
+    prompt_set: str | None = None,
 ) -> tuple[list[str], list[dict[str, Any]]]:
     """(prompts [P], metadata [P]) of a data or eval section: a JSONL file's extra keys per prompt (its `image`
     resolved against the file's folder and checked to exist), {} for every other source; with `toy_sources` (a
@@ -61,8 +62,12 @@ def load_prompt_records(
         from flowrl.toy.world import split_prompts
 
         out = split_prompts(toy_split)
+    elif prompt_set is not None:
+        from flowrl.prompt_sets import load_prompt_set
+
+        return load_prompt_set(prompt_set, where)
     else:
-        raise ValueError(f"{where} needs one of prompts, prompts_file, toy_split")
+        raise ValueError(f"{where} needs one of prompts, prompts_file, toy_split, prompt_set")
     if not out:
         raise ValueError(f"{where}: the prompt list is empty; add at least one prompt")
     if toy_sources:
@@ -185,7 +190,8 @@ def step_batches(cfg, sampler, num_processes: int, whole_groups: bool = False) -
         )
     whole = whole_groups or sampler.whole_groups  # the recipe's need (TAGRPO) or the sampler's
     sampler.check_groups(d.group_size)  # a tree: one leaf per sample of its group
-    prompts, metadata = load_prompt_records(d.prompts, d.prompts_file, d.toy_split, "data", d.toy_sources)
+    sources = (d.prompts, d.prompts_file, d.toy_split, "data", d.toy_sources, d.prompt_set)
+    prompts, metadata = load_prompt_records(*sources)
     prompt_sampler = GroupedPromptSampler(prompts, d.num_prompts_per_step, d.group_size, cfg.seed, whole, metadata, d.noise_pool)
     local_n = prompt_sampler.local_size(num_processes)
     chunks = t.num_rollout_batches

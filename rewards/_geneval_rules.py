@@ -168,7 +168,7 @@ def parse_record(meta: Any, where: str) -> Record | None:
 def mask_boxes(masks: torch.Tensor) -> torch.Tensor:
     """[K, H, W] bool -> [K, 4] float32 boxes (x1, y1, x2 + 1, y2 + 1) around each mask; zeros for an empty one
     (mmdet's mask2bbox)."""
-    boxes = torch.zeros(len(masks), 4)
+    boxes = torch.zeros(len(masks), 4, device=masks.device)
     columns, rows = masks.any(1), masks.any(2)  # [K, W], [K, H]
     for k in range(len(masks)):
         x, y = columns[k].nonzero().flatten().tolist(), rows[k].nonzero().flatten().tolist()
@@ -200,6 +200,13 @@ def instances(
     top, index = probs.flatten().topk(min(max_detections, probs.numel()))  # [D]
     top, index = top[top > min_score], index[top > min_score]  # [K]
     labels, queries = index % probs.shape[1], index // probs.shape[1]
+    if len(index) == 0:  # nothing can pass: interpolate takes no empty batch
+        return (
+            labels,
+            top,
+            torch.zeros(0, 4, device=top.device),
+            torch.zeros(0, *image_size, dtype=torch.bool, device=top.device),
+        )
     logits = F.interpolate(mask_logits[queries][None].float(), size=input_size, mode="bilinear", align_corners=False)
     logits = logits[..., : resized_size[0], : resized_size[1]]
     logits = F.interpolate(logits, size=image_size, mode="bilinear", align_corners=False)[0]  # [K, H, W]

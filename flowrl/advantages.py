@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def group_mean_std(rewards: torch.Tensor, group_ids: torch.Tensor, unbiased: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def group_mean_std(
+    rewards: torch.Tensor, group_ids: torch.Tensor, unbiased: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample mean and std of its group's finite rewards. rewards [M] -> (mean [M], std [M]) float32.
 
     `unbiased=True` divides by n - 1 (torch.std, DanceGRPO); False by n (numpy, Flow-GRPO). A group with a
@@ -327,7 +329,12 @@ def tree_edge_advantages(
             groups = tree[child]
         survivors = keep.nonzero().flatten()
         kept = width_prune(
-            node_advantages[child[survivors]], steps[survivors], groups[survivors], last_split, width_pruning, width_pruning_ratio
+            node_advantages[child[survivors]],
+            steps[survivors],
+            groups[survivors],
+            last_split,
+            width_pruning,
+            width_pruning_ratio,
         )
         keep[survivors[~kept]] = False
     return advantages, keep

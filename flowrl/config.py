@@ -324,7 +324,9 @@ def _check_reward_runtime(spec: RewardConfig, where: str) -> None:
             ) from None
     size = spec.batch_size
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise ConfigError(f"{where}.batch_size={size!r} must be a whole number >= 1 (samples per call; unset: all at once)")
+        raise ConfigError(
+            f"{where}.batch_size={size!r} must be a whole number >= 1 (samples per call; unset: all at once)"
+        )
 
 
 def _check_preview_backend(backend: Any, device: str | None) -> None:
@@ -443,7 +445,9 @@ def read_config_data(path: str | Path, overrides: list[str] | None = None) -> di
     a file that is not YAML (file, line, column and the parser's complaint) or not a mapping."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist; pass a YAML file such as configs/toy/grpo.yaml")
+        raise FileNotFoundError(
+            f"config file {str(path)!r} does not exist; pass a YAML file such as configs/toy/grpo.yaml"
+        )
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:

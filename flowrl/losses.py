@@ -145,7 +145,12 @@ def nft_loss(
 
 
 def ram_target(
-    v_ref: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, advantages: torch.Tensor, multiplier: float
+    v_ref: torch.Tensor,
+    v_old: torch.Tensor,
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    advantages: torch.Tensor,
+    multiplier: float,
 ) -> torch.Tensor:
     """RAM's regression target sg[v_ref + m·A·((ε − x0) − v_old)] (docs/math.md#reinforce-adjoint-matching), float32.
 
@@ -174,7 +179,9 @@ def adjoint_matching_loss(residual: torch.Tensor, clip: float | None) -> torch.T
 AWM_WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
 
 
-def awm_weighting(error: torch.Tensor, sigma: torch.Tensor, weighting: str = "ghuber", power: float = 0.25) -> torch.Tensor:
+def awm_weighting(
+    error: torch.Tensor, sigma: torch.Tensor, weighting: str = "ghuber", power: float = 0.25
+) -> torch.Tensor:
     """AWM's weighted flow-matching error W(ℓ, t) per sample [n], float64 (docs/recipes/awm.md#the-loss); `error` ℓ ≥ 0
     and `sigma` t, both [n]. 'uniform' ℓ, 't' t·ℓ, 't2' t²·ℓ, 'huber' t·(√(ℓ + 1e-10) − 1e-5), 'ghuber' (generalized
     Huber) (t/p)·((ℓ + 1e-10)^p − (1e-10)^p), whose derivative in ℓ is t·(ℓ + 1e-10)^(p − 1)."""
@@ -257,7 +264,9 @@ def dgpo_loss(
     delta = loss_theta.detach().double() - loss_ref.detach().double()
     scores = group_scores(a * beta_dpo * delta / group_size, group_ids, gather)  # [n]
     weight = torch.sigmoid(scores)
-    ratio = torch.ones_like(a) if loss_old is None else torch.exp(loss_old.detach().double() - loss_theta.detach().double())
+    ratio = (
+        torch.ones_like(a) if loss_old is None else torch.exp(loss_old.detach().double() - loss_theta.detach().double())
+    )
     clipped = ((a > 0) & (ratio > 1 + clip_range)) | ((a <= 0) & (ratio < 1 - clip_range))
     if loss_old is None:
         clipped = torch.zeros_like(clipped)

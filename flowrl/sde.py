@@ -166,11 +166,15 @@ def scheduler_sigmas(
     if not (isinstance(num_steps, (int, np.integer)) and num_steps >= 1):
         raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1")
     if settings["use_dynamic_shifting"] and mu is None:
-        raise ValueError("mu=None but the scheduler config has use_dynamic_shifting=True: pass mu=calculate_shift(image_seq_len)")
+        raise ValueError(
+            "mu=None but the scheduler config has use_dynamic_shifting=True: pass mu=calculate_shift(image_seq_len)"
+        )
     if sigmas is not None and len(sigmas) != num_steps:
         raise ValueError(f"sigmas has {len(sigmas)} values but num_steps={num_steps}: pass one sigma per step")
     if settings["shift_terminal"] and num_steps == 1:
-        raise ValueError("num_steps=1 with scheduler config shift_terminal set gives NaN sigmas (0/0): use num_steps >= 2")
+        raise ValueError(
+            "num_steps=1 with scheduler config shift_terminal set gives NaN sigmas (0/0): use num_steps >= 2"
+        )
 
     num_train = int(settings["num_train_timesteps"])
     shift = settings["shift"]
@@ -430,7 +434,9 @@ def sde_step(
     if x.ndim < 2:
         raise ValueError(f"x has shape {tuple(x.shape)}: latents must be [N, ...] with at least one non-batch dim")
     if v.shape != x.shape:
-        raise ValueError(f"v has shape {tuple(v.shape)} but x has {tuple(x.shape)}: the velocity must match the latents")
+        raise ValueError(
+            f"v has shape {tuple(v.shape)} but x has {tuple(x.shape)}: the velocity must match the latents"
+        )
     if prev_sample is not None and prev_sample.shape != x.shape:
         raise ValueError(
             f"prev_sample has shape {tuple(prev_sample.shape)} but x has {tuple(x.shape)}: pass the stored next latents"
@@ -558,7 +564,9 @@ class StepRule:
     def step(self, v, x, sigma, sigma_next, noise_level, prev_sample=None, generator=None, noise=None, std_scale=None):
         """sde_step under this rule (see sde_step for arguments and returns)."""
         rule = {"log_prob_mode": self.log_prob_mode, "first_step_threshold": self.first_step_threshold, "noise": noise}
-        return sde_step(v, x, sigma, sigma_next, self.kind, noise_level, prev_sample, generator, std_scale=std_scale, **rule)
+        return sde_step(
+            v, x, sigma, sigma_next, self.kind, noise_level, prev_sample, generator, std_scale=std_scale, **rule
+        )
 
 
 def transition_stds(rule: StepRule, sigmas: torch.Tensor, noise_levels: torch.Tensor) -> torch.Tensor:

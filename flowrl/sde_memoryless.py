@@ -53,10 +53,14 @@ def lean_adjoint(
     """
     num_steps = len(sigmas) - 1
     if latents.shape[1] != num_steps + 1:
-        raise ValueError(f"latents have {latents.shape[1]} states for a {num_steps}-step grid: need T + 1 = {num_steps + 1}")
+        raise ValueError(
+            f"latents have {latents.shape[1]} states for a {num_steps}-step grid: need T + 1 = {num_steps + 1}"
+        )
     sigmas = sigmas.float()
     if float(sigmas[0]) >= 1:
-        raise ValueError(f"sigmas start at {float(sigmas[0])}: the lean adjoint is singular at σ = 1; start the grid below 1")
+        raise ValueError(
+            f"sigmas start at {float(sigmas[0])}: the lean adjoint is singular at σ = 1; start the grid below 1"
+        )
     wanted = set(keep)
     adjoints, velocities = {}, {}
 
@@ -88,7 +92,9 @@ def lean_adjoint(
     return adjoints, velocities
 
 
-def adjoint_residual(v_theta: torch.Tensor, v_base: torch.Tensor, adjoint: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+def adjoint_residual(
+    v_theta: torch.Tensor, v_base: torch.Tensor, adjoint: torch.Tensor, sigma: torch.Tensor
+) -> torch.Tensor:
     """(2/σ_d)·(v_θ − v_base) − σ_d·ã per element [n, ...] (σ [n], float32): zero at the optimal control.
 
     In data time with u = −v this is AM's `(2/σ_d)(u_θ − u_base) + σ_d ã` up to the sign, so its square is the same.

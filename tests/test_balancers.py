@@ -326,6 +326,8 @@ def test_balance_keeps_neither_failed_samples_nor_masked_ones():
     scores = {k: torch.where(failed, torch.full_like(v, NAN), v) for k, v in scores.items()}
     accelerator = SimpleNamespace(device="cpu", gather=lambda t: t)
     batch = SimpleNamespace(group_ids=torch.tensor(CONFLICT_GROUPS), global_index=torch.arange(9))
-    advantages, keep, metrics, errors = balance(accelerator, Scores(scores, failed), batch, GD2POBalancer(mask="hard"), {})
+    advantages, keep, metrics, errors = balance(
+        accelerator, Scores(scores, failed), batch, GD2POBalancer(mask="hard"), {}
+    )
     assert keep.tolist() == [True, False, True, False, True, False, True, False, True]
     assert advantages[7] == 0 and errors == 0 and "balancer/masked_fraction" in metrics

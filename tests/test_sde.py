@@ -134,7 +134,25 @@ def test_dance_grid_t16_by_hand():
     exact = torch.tensor([3 * (16 - k) / (48 - 2 * k) for k in range(17)], dtype=torch.float64)
     assert sigmas.dtype == torch.float32 and sigmas.shape == (17,)
     assert torch.allclose(sigmas.double(), exact, atol=1e-7, rtol=0)
-    listed = [1, 0.9783, 0.9545, 0.9286, 0.9, 0.8684, 0.8333, 0.7941, 0.75, 0.7, 0.6429, 0.5769, 0.5, 0.4091, 0.3, 0.1667, 0]
+    listed = [
+        1,
+        0.9783,
+        0.9545,
+        0.9286,
+        0.9,
+        0.8684,
+        0.8333,
+        0.7941,
+        0.75,
+        0.7,
+        0.6429,
+        0.5769,
+        0.5,
+        0.4091,
+        0.3,
+        0.1667,
+        0,
+    ]
     assert torch.allclose(sigmas, torch.tensor(listed), atol=5.1e-5, rtol=0)
 
 
@@ -267,7 +285,18 @@ def test_flow_grpo_first_step_std_equals_noise_level_exactly(grid, noise_level):
 
 def test_std_test_vectors_on_the_sd3_grid():
     sigmas = sd3_grid(10)
-    flow_grpo = [0.700, 0.743, 0.536, 0.446, 0.392, 0.353, 0.319, 0.282, 0.225, 0.0063]  # docs/math.md#test-vectors, a = 0.7
+    flow_grpo = [
+        0.700,
+        0.743,
+        0.536,
+        0.446,
+        0.392,
+        0.353,
+        0.319,
+        0.282,
+        0.225,
+        0.0063,
+    ]  # docs/math.md#test-vectors, a = 0.7
     cps = [0.913, 0.869, 0.816, 0.752, 0.673, 0.573, 0.442, 0.264, 0.0085, 0.0]  # docs/math.md#test-vectors, a = 0.8
     ours = sde.sde_std(sigmas[:-1], sigmas[1:], "flow_grpo", 0.7)
     assert torch.allclose(ours, torch.tensor(flow_grpo), atol=6e-4, rtol=0)
@@ -286,7 +315,9 @@ def test_log_prob_mean_and_std_equal_independent_gaussian(kind, reduce):
     noise_level = torch.tensor([0.7, 0.5, 0.9, 0.3, 0.8])  # [N]
     x = torch.randn(5, 2, 3, 3, generator=generator)  # [N, C, H, W]
     v = torch.randn(5, 2, 3, 3, generator=generator)
-    prev, log_prob, mean, std = sde.sde_step(v, x, sigma, sigma_next, kind, noise_level, generator=generator, reduce=reduce)
+    prev, log_prob, mean, std = sde.sde_step(
+        v, x, sigma, sigma_next, kind, noise_level, generator=generator, reduce=reduce
+    )
     ref_mean, ref_std = reference_step(x, v, sigma, sigma_next, kind, noise_level)
     assert torch.allclose(mean.double(), ref_mean, atol=2e-6, rtol=1e-5)
     assert torch.allclose(std.double(), ref_std, atol=1e-7, rtol=1e-5)

@@ -71,7 +71,9 @@ def test_depthwise_advantages_by_hand_zero_at_the_root_and_at_equal_depths():
 
 WIDTH_ADV = torch.tensor([0.1, -0.5, 0.3, 0.9, -0.2, -1.0, 0.4, 0.4])
 WIDTH_STEP = torch.tensor([0, 1, 2, 2, 3, 3, 2, 3])  # parent steps; the last split is step 1
-BRANCH = torch.tensor([0, 0, 10, 10, 10, 11, 11, 11])  # edges 2-4 below one child of the last split, 5-7 below the other
+BRANCH = torch.tensor(
+    [0, 0, 10, 10, 10, 11, 11, 11]
+)  # edges 2-4 below one child of the last split, 5-7 below the other
 
 
 def kept(mask):

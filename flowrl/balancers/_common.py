@@ -26,7 +26,12 @@ def check_common(cfg, name: str) -> None:
     if hasattr(cfg, "clip") and not cfg.clip > 0:
         fail(name, "clip", cfg.clip, "must be > 0 (advantages are clipped to [-clip, clip]; 5 in the reference codes)")
     if hasattr(cfg, "per_reward_estimator") and cfg.per_reward_estimator not in PER_REWARD_ESTIMATORS:
-        fail(name, "per_reward_estimator", cfg.per_reward_estimator, "must be 'zscore' (group z-score) or 'tail' (TailRL)")
+        fail(
+            name,
+            "per_reward_estimator",
+            cfg.per_reward_estimator,
+            "must be 'zscore' (group z-score) or 'tail' (TailRL)",
+        )
 
 
 def _require(scores: dict[str, torch.Tensor]) -> None:
@@ -64,7 +69,9 @@ def per_reward_advantages(stacked: torch.Tensor, group_ids: torch.Tensor, estima
     """A_{k,i} per reward and group (z-score or TailRL), 0 where r_{k,i} is NaN. stacked [K, M] -> [K, M]."""
     if estimator == "tail":
         return torch.stack([tail_advantages(r, group_ids) for r in stacked])
-    return torch.stack([group_advantages(r, group_ids, std="group", eps=eps, unbiased=unbiased, clip=None) for r in stacked])
+    return torch.stack(
+        [group_advantages(r, group_ids, std="group", eps=eps, unbiased=unbiased, clip=None) for r in stacked]
+    )
 
 
 def no_signal(stacked: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -76,7 +83,9 @@ def no_signal(stacked: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
 def decoupled_metrics(names: list[str], stacked: torch.Tensor, group_ids: torch.Tensor, no_signal) -> dict[str, float]:
     metrics = {"train/zero_std_fraction": float(no_signal.float().mean())}
     for name, r in zip(names, stacked):
-        metrics[f"balancer/{name}/zero_std_fraction"] = float((zero_std_groups(r, group_ids) & torch.isfinite(r)).float().mean())
+        metrics[f"balancer/{name}/zero_std_fraction"] = float(
+            (zero_std_groups(r, group_ids) & torch.isfinite(r)).float().mean()
+        )
     return metrics
 
 
@@ -103,7 +112,9 @@ class Decoupled:
     def _decouple(self, scores: dict[str, torch.Tensor], group_ids: torch.Tensor, weights: list[float]):
         """(stacked [K, M], per-reward advantages [K, M], Σ_k w_k A_k [M], no_signal [M], any_finite [M])."""
         stacked = stack(scores)
-        per_reward = per_reward_advantages(stacked, group_ids, self.per_reward_estimator, self.eps, self.use_unbiased_std)
+        per_reward = per_reward_advantages(
+            stacked, group_ids, self.per_reward_estimator, self.eps, self.use_unbiased_std
+        )
         combined = (torch.tensor(weights, dtype=torch.float32)[:, None] * per_reward).sum(0)  # [M]
         return stacked, per_reward, combined, no_signal(stacked, group_ids), torch.isfinite(stacked).any(0)
 

@@ -43,7 +43,9 @@ def min_norm_weights(gram: torch.Tensor) -> torch.Tensor:
     if m.shape != (k, k) or k < 1:
         raise ValueError(f"min_norm_weights: gram has shape {tuple(gram.shape)}; it must be a square K x K matrix")
     if k > MAX_REWARDS:
-        raise ValueError(f"min_norm_weights: K={k} rewards; the exact solver enumerates faces and takes K <= {MAX_REWARDS}")
+        raise ValueError(
+            f"min_norm_weights: K={k} rewards; the exact solver enumerates faces and takes K <= {MAX_REWARDS}"
+        )
     m = 0.5 * (m + m.T)
     scale = float(m.diagonal().abs().max()) or 1.0
     best, best_value, best_size = None, math.inf, 0
@@ -156,7 +158,12 @@ class MarbleBalancer:
 
     def __post_init__(self):
         if self.form not in MARBLE_FORMS:
-            fail("marble", "form", self.form, "must be 'full' (QP every step) or 'amortized' (QP every refresh_every steps)")
+            fail(
+                "marble",
+                "form",
+                self.form,
+                "must be 'full' (QP every step) or 'amortized' (QP every refresh_every steps)",
+            )
         if self.std not in ("global", "group"):
             fail("marble", "std", self.std, "must be 'group' (per-prompt std) or 'global' (batch std)")
         check_common(self, "marble")

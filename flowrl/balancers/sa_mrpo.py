@@ -47,7 +47,12 @@ class SAMRPOBalancer(Decoupled):
         out = {}
         for name, s in scores.items():
             if name not in self.bounds:
-                fail("sa_mrpo", "bounds", self.bounds, f"has no entry for reward {name!r}: add bounds: {{{name}: [min, max]}}")
+                fail(
+                    "sa_mrpo",
+                    "bounds",
+                    self.bounds,
+                    f"has no entry for reward {name!r}: add bounds: {{{name}: [min, max]}}",
+                )
             lo, hi = self.bounds[name]
             finite = s[torch.isfinite(s)].float()
             mean = float(finite.mean()) if finite.numel() else lo

@@ -36,10 +36,20 @@ class WeightedSumBalancer:
     def __post_init__(self):
         if self.unbiased is not None:
             if self.use_unbiased_std and not self.unbiased:
-                fail("weighted_sum", "unbiased", self.unbiased, "contradicts use_unbiased_std=True; give only use_unbiased_std")
+                fail(
+                    "weighted_sum",
+                    "unbiased",
+                    self.unbiased,
+                    "contradicts use_unbiased_std=True; give only use_unbiased_std",
+                )
             self.use_unbiased_std, self.unbiased = bool(self.unbiased), None
         if self.std not in ("global", "group", "none"):
-            fail("weighted_sum", "std", self.std, "must be 'global' (whole-batch std), 'group' (per-prompt std) or 'none'")
+            fail(
+                "weighted_sum",
+                "std",
+                self.std,
+                "must be 'global' (whole-batch std), 'group' (per-prompt std) or 'none'",
+            )
         check_common(self, "weighted_sum")
 
     def needs(self) -> frozenset[str]:

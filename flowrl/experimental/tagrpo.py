@@ -218,7 +218,9 @@ class Alignment:
         self.std = std + 1e-4
         self.u = ((rewards - self.mean) / self.std).nan_to_num(0.0)  # [N]
         self.usable = usable.cpu() & ~torch.isnan(rewards)
-        self.members = [((group_ids == group_ids[i]) & self.usable).nonzero().flatten().tolist() for i in range(len(keys))]
+        self.members = [
+            ((group_ids == group_ids[i]) & self.usable).nonzero().flatten().tolist() for i in range(len(keys))
+        ]
         # a partner's next latent counts only where its own transition k was stochastic, as the trained one is: an
         # ODE step's next latent lacks the SDE mean's correction, and pulling toward it bends the velocity
         self.stochastic = {(int(j), int(k)) for j, k in rollout.transitions.tolist()}
@@ -243,7 +245,9 @@ class Alignment:
                 has_pos.append(False), has_neg.append(False)
                 continue
             a_pos, a_neg = pair_weights(
-                self.u[i : i + 1].float(), torch.tensor([u], dtype=torch.float32), torch.tensor([w], dtype=torch.float32)
+                self.u[i : i + 1].float(),
+                torch.tensor([u], dtype=torch.float32),
+                torch.tensor([w], dtype=torch.float32),
             )
             stack = torch.stack(z)[None].float()  # [1, M, ...]
             zp, hp = weighted_target(a_pos.to(device), stack)
@@ -277,7 +281,9 @@ class Alignment:
         _, x, x_next, sigma, sigma_next, level, scale = inputs
         _, _, mean, std = rule.step(v, x, sigma, sigma_next, level, prev_sample=x_next, std_scale=scale)
         z_pos, has_pos, z_neg, has_neg, partners = self.targets(index, k)
-        loss, d_pos, d_neg = alignment_loss(mean, std, z_pos, has_pos, z_neg, has_neg, cfg.repel, cfg.repel_clip, cfg.distance)
+        loss, d_pos, d_neg = alignment_loss(
+            mean, std, z_pos, has_pos, z_neg, has_neg, cfg.repel, cfg.repel_clip, cfg.distance
+        )
         self.log["loss"].append(loss.detach().mean())
         self.log["attract"].append(d_pos[has_pos].mean() if has_pos.any() else d_pos.new_zeros(()))
         self.log["repel"].append(d_neg[has_neg].mean() if has_neg.any() else d_neg.new_zeros(()))
@@ -367,5 +373,7 @@ class TAGRPOTrainer:
         usable = exp.keep.cpu() & ~exp.scores.failed
         combined = weighted_total(exp.scores.scores, parts.weights)  # [N] Σ_k w_k r_k, NaN where none applies
         alignment = step_alignment(t.tagrpo, self.bank, exp.rollout, exp.batch, combined, usable, parts.step)
-        metrics = exp.metrics | grpo_optimise(parts, exp.rollout, exp.advantages, exp.keep, exp.per_reward, regulariser=alignment)
+        metrics = exp.metrics | grpo_optimise(
+            parts, exp.rollout, exp.advantages, exp.keep, exp.per_reward, regulariser=alignment
+        )
         return kit.finish_step(parts, exp, metrics, tic.seconds())  # 7. Log

@@ -64,7 +64,11 @@ class AdjointMatchingConfig(OptimizerConfig):
 
 
 def loss_times(
-    sigmas: torch.Tensor, below: float, num_random: int, generator: torch.Generator, trainable: torch.Tensor | None = None
+    sigmas: torch.Tensor,
+    below: float,
+    num_random: int,
+    generator: torch.Generator,
+    trainable: torch.Tensor | None = None,
 ) -> list[int]:
     """Grid indices k (σ_k > 0) trained this step: all with σ_k ≤ `below`, plus `num_random` of the others at random;
     with `trainable` [T] bool (the times the model trains, flowrl.sigma_range), among those only."""
@@ -165,7 +169,9 @@ class AdjointMatchingTrainer:
         x_end = latents[:, -1].detach().requires_grad_(True)
         with torch.enable_grad():
             images = model.decode(x_end)
-            scores = {name: r(images, batch.prompts, batch.metadata).scores.float() for name, r in parts.rewards.items()}
+            scores = {
+                name: r(images, batch.prompts, batch.metadata).scores.float() for name, r in parts.rewards.items()
+            }
             total = sum(parts.weights[name] * score for name, score in scores.items())  # [N]
             (grad,) = torch.autograd.grad(total.sum(), x_end)
         reward_s = tic.seconds()
@@ -226,7 +232,9 @@ class AdjointMatchingTrainer:
                 v_theta = model.velocity(latents[rows, k], sigma, sub, self.guidance)
                 residual = adjoint_residual(v_theta, v_base[k][rows], adjoints[k][rows], sigma)
                 per_sample = adjoint_matching_loss(residual, clip)  # [b]
-                parts.opt.backward(per_sample.mean() / len(keep) / accum, boundary=j == len(keep) - 1 and mb.closes_step)
+                parts.opt.backward(
+                    per_sample.mean() / len(keep) / accum, boundary=j == len(keep) - 1 and mb.closes_step
+                )
                 optimizer_steps.losses.append(per_sample.detach().mean())
                 if clip is not None:
                     clipped.append((residual.detach().pow(2).flatten(1).sum(1) > clip).float().mean())

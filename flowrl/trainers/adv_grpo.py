@@ -101,7 +101,10 @@ class AdvGRPOTrainer:
                 work.METER.add("reward", NAME, len(rows))
             sums = torch.tensor([float(ref_scores.sum()), float(len(rows))], device=acc.device, dtype=torch.float64)
             sums = acc.reduce(sums, "sum") if acc.num_processes > 1 else sums
-            ref_mean, gen_mean = float(sums[0] / sums[1]) if sums[1] > 0 else float("inf"), exp.metrics[f"reward/{NAME}/mean"]
+            ref_mean, gen_mean = (
+                float(sums[0] / sums[1]) if sums[1] > 0 else float("inf"),
+                exp.metrics[f"reward/{NAME}/mean"],
+            )
         update_generator, update_rm = schedule_step(a.schedule, parts.step, a.d_times, ref_mean, gen_mean)
 
         # 6b. Optimise the generator (GRPO's stage 6) on the advantages of the RM at `version`

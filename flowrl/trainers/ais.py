@@ -25,12 +25,20 @@ class AISConfig:
 
     def __post_init__(self) -> None:
         if not self.max_weight >= 1.0:
-            raise ValueError(f"train.ais.max_weight={self.max_weight} must be >= 1 (the weights are normalised to mean 1)")
+            raise ValueError(
+                f"train.ais.max_weight={self.max_weight} must be >= 1 (the weights are normalised to mean 1)"
+            )
 
 
 @torch.no_grad()
 def ais_coefficients(
-    parts: RecipeParts, cfg: AISConfig, rollout: Rollout, steps: list[list[int]], keep: torch.Tensor, order: torch.Tensor, mb: int
+    parts: RecipeParts,
+    cfg: AISConfig,
+    rollout: Rollout,
+    steps: list[list[int]],
+    keep: torch.Tensor,
+    order: torch.Tensor,
+    mb: int,
 ):
     """AIS before any optimizer step: the policy's log-prob of every trained transition, in the first epoch's
     minibatches (the batch shapes of the first pass, so that its ratios are exactly 1), and ais_mixture's
@@ -46,7 +54,9 @@ def ais_coefficients(
             k = torch.tensor([steps[i][j] for i in sel], device=acc.device)
             cond, x, x_next, sigma, sigma_next, level, scale = transition_inputs(rollout, sigmas, index, k)
             v = model.velocity(x, sigma, cond, rollout.guidance_scale)
-            log_prob, _ = sde.rescore_transition(rollout.rule, v, x, x_next, sigma, sigma_next, level, None, "code", scale)
+            log_prob, _ = sde.rescore_transition(
+                rollout.rule, v, x, x_next, sigma, sigma_next, level, None, "code", scale
+            )
             prox[index, k] = log_prob.to(prox.dtype)
     kept = keep.cpu().tolist()  # one transfer, not a device sync per transition
     pairs = [(i, k) for i, row in enumerate(steps) for k in row if kept[i]]

@@ -71,7 +71,9 @@ def training_draws(generators, grid, shape, k, fraction, time_type, trainable=No
     K + 1) truncated; an empty one gives its bound) of the indices [lo, int(T·fraction)) that the model trains
     (`trainable` [T] bool), lo = 0 'discrete' or 1 'discrete_wo_init'; then K noises of `shape`. [N, K], [N, K, *shape]"""
     num_times = len(grid) - 1
-    candidates = torch.arange(TIME_TYPES.index(time_type), min(int(num_times * fraction + 1e-6), num_times))  # lo = index
+    candidates = torch.arange(
+        TIME_TYPES.index(time_type), min(int(num_times * fraction + 1e-6), num_times)
+    )  # lo = index
     if trainable is not None:
         candidates = candidates[trainable.cpu()[candidates]]
     if len(candidates) == 0:
@@ -111,14 +113,23 @@ class AWMTrainer:
             raise ValueError(
                 f"train.weighting={t.weighting!r} must be in {AWM_WEIGHTINGS}, time_type={t.time_type!r} in {TIME_TYPES}"
             )
-        positive = (t.ghuber_power, t.adv_clip_max, t.advantage_max, t.clip_range, t.num_train_timesteps, t.timestep_fraction)
+        positive = (
+            t.ghuber_power,
+            t.adv_clip_max,
+            t.advantage_max,
+            t.clip_range,
+            t.num_train_timesteps,
+            t.timestep_fraction,
+        )
         if min(positive) <= 0 or t.timestep_fraction > 1 or not 0 <= t.ema_kl_decay <= 1 or t.ema_kl_decay_ramp < 0:
             raise ValueError(
                 f"train.ghuber_power, adv_clip_max, advantage_max, clip_range, num_train_timesteps {positive[:-1]} must be > 0, "
                 f"timestep_fraction={t.timestep_fraction} in (0, 1], ema_kl_decay={t.ema_kl_decay} in [0, 1], ramp >= 0"
             )
         if not cfg.model.use_lora:
-            raise ValueError("trainer: awm needs model.use_lora=true (the EMA-KL anchor and the reference are adapters)")
+            raise ValueError(
+                "trainer: awm needs model.use_lora=true (the EMA-KL anchor and the reference are adapters)"
+            )
         if why := self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
             raise ValueError(why)
         self.parts = parts = kit.build_parts(cfg, accelerator or make_accelerator(cfg), type(self), adapters=(KL_EMA,))
@@ -134,10 +145,16 @@ class AWMTrainer:
 
         # 6. Optimise, then step the EMA-KL anchor
         tic = timed(device)
-        draws = seed_formulas.sample_generators(exp.batch.seeds, "cpu", seed_formulas.TRAIN_STREAM)  # a sample's t and ε
+        draws = seed_formulas.sample_generators(
+            exp.batch.seeds, "cpu", seed_formulas.TRAIN_STREAM
+        )  # a sample's t and ε
         args = (tuple(x0.shape[1:]), t.num_train_timesteps, t.timestep_fraction, t.time_type)
-        times, noises = training_draws(draws, sigmas, *args, trainable_steps(parts.model, sigmas))  # [N, K], [N, K, ...]
-        metrics = exp.metrics | self._optimise(x0, sigmas, cond, exp.advantages, exp.per_reward, exp.keep, times, noises)
+        times, noises = training_draws(
+            draws, sigmas, *args, trainable_steps(parts.model, sigmas)
+        )  # [N, K], [N, K, ...]
+        metrics = exp.metrics | self._optimise(
+            x0, sigmas, cond, exp.advantages, exp.per_reward, exp.keep, times, noises
+        )
         decay = min(t.ema_kl_decay, t.ema_kl_decay_ramp * parts.opt.optimizer_steps)
         parts.model.soft_update_adapter(KL_EMA, "default", decay)
         return kit.finish_step(parts, exp, metrics | {"train/kl_ema_decay": decay}, tic.seconds())  # 7. Log
@@ -198,5 +215,7 @@ class AWMTrainer:
                 loss, boundary = (per_item * keep_b).sum() / norm, j == k - 1 and mb.closes_step
                 grads.backward_step(loss, policy_of, per_reward_b, outside, boundary)
                 steps.losses.append(per_item.detach().mean())
-                steps.record({"policy_loss": policy, "kl": kl, "ema_kl": ema_kl, "ratio": s["ratio"], "weighted_error": -log_p})
+                steps.record(
+                    {"policy_loss": policy, "kl": kl, "ema_kl": ema_kl, "ratio": s["ratio"], "weighted_error": -log_p}
+                )
         return steps.metrics()

@@ -41,7 +41,9 @@ def trainer_variants() -> list[tuple[str, str, dict]]:
     return out
 
 
-def composition_error(trainer: str, sampler: ComponentConfig, balancer: ComponentConfig, train=None, rewards=()) -> str | None:
+def composition_error(
+    trainer: str, sampler: ComponentConfig, balancer: ComponentConfig, train=None, rewards=()
+) -> str | None:
     """None where the triple runs, else the one-line reason and fix: the trainer's own check, or the error a
     sampler or balancer raises for its own arguments (what `build_trainer` raises for the same config)."""
     from flowrl.trainers import trainer_class

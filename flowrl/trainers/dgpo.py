@@ -94,7 +94,9 @@ class DGPOTrainer:
         """None where sampler `sampler` feeds this recipe through balancer `balancer` (ComponentConfig each), else
         the one-line reason and fix; the constructor raises the same (docs/recipes/compose.md)."""
         if "clean_endpoints" not in kit.rollout_carries(sampler):
-            return f"trainer: dgpo trains on clean endpoints, which the rollouts of sampler {sampler.name} lack: use ode"
+            return (
+                f"trainer: dgpo trains on clean endpoints, which the rollouts of sampler {sampler.name} lack: use ode"
+            )
         if "reward_gradients" in kit.balancer_needs(balancer):
             return (
                 f"balancer {balancer.name} balances per-reward gradients, which dgpo does not take (its group weight "
@@ -122,11 +124,15 @@ class DGPOTrainer:
                 f"train.num_minibatches={m} splits prompt groups ({n} samples a process, group_size={g}): dgpo's group "
                 "score needs whole groups in a minibatch; set it to 1 or a divisor of the groups each process holds"
             )
-        self.base_used = not t.use_ema_ref or t.kl_coef > 0  # the frozen base: the DGPO reference, the KL anchor or both
+        self.base_used = (
+            not t.use_ema_ref or t.kl_coef > 0
+        )  # the frozen base: the DGPO reference, the KL anchor or both
         self.guidance = kit.policy_guidance(parts)  # the policy trains CFG-free
         self.ref_guidance = self.guidance if t.ref_guidance_scale is None else t.ref_guidance_scale
         if parts.model.uses_cfg(self.ref_guidance) and getattr(parts.model, "conditioning", None) is not None:
-            raise ValueError(f"train.ref_guidance_scale={t.ref_guidance_scale}: a CFG reference needs a text-only model")
+            raise ValueError(
+                f"train.ref_guidance_scale={t.ref_guidance_scale}: a CFG reference needs a text-only model"
+            )
 
     def train_step(self) -> dict[str, float]:
         parts, t = self.parts, self.parts.cfg.train
@@ -166,7 +172,9 @@ class DGPOTrainer:
         candidates = torch.arange(min(t.max_timestep_index, len(sigmas) - 2) + 1)
         candidates = candidates[trainable_steps(model, sigmas)[candidates]]  # the σ the model trains
         if len(candidates) == 0:
-            raise ValueError(f"train.max_timestep_index={t.max_timestep_index}: no grid time up to it is one the model trains")
+            raise ValueError(
+                f"train.max_timestep_index={t.max_timestep_index}: no grid time up to it is one the model trains"
+            )
         k = min(t.num_train_timesteps, len(candidates))
         times = [candidates[torch.randperm(len(candidates), generator=gen)[:k]] for _ in range(t.num_inner_epochs)]
         b = parts.cfg.data.num_prompts_per_step  # the step's groups: ids 0..B − 1 on every process
@@ -177,10 +185,17 @@ class DGPOTrainer:
             if parts.opt.optimizer_steps != taken:
                 taken, decay = parts.opt.optimizer_steps, self._follow()
             index, keep_b, ids = mb.index, keep[mb.index].float(), group_ids[mb.rows]  # [b] each
-            adv_b, sub_cond, sub_ref = advantages[index] * keep_b, select_cond(cond, index), select_cond(ref_cond, index)
+            adv_b, sub_cond, sub_ref = (
+                advantages[index] * keep_b,
+                select_cond(cond, index),
+                select_cond(ref_cond, index),
+            )
             norm = kept_per_process(acc, keep_b.sum()) * t.gradient_accumulation_steps * k
             for j, time in enumerate(times[mb.epoch].tolist()):
-                noises = {gid: group_noise(parts.cfg.seed, parts.step, mb.epoch, j, gid, shape) for gid in ids.unique().tolist()}
+                noises = {
+                    gid: group_noise(parts.cfg.seed, parts.step, mb.epoch, j, gid, shape)
+                    for gid in ids.unique().tolist()
+                }
                 noise = torch.stack([noises[gid] for gid in ids.tolist()]).to(x0.device)  # [b, ...]: one ε per group
                 sigma = sigmas[time].expand(len(index))  # [b]
                 x_t = sde.forward_noise(x0[index], noise, sigma)

@@ -74,7 +74,11 @@ def draw_times(seed: int, step: int, j: int, group_id: int, count: int, shape, t
     process): t from t_distribution, shifted, mapped onto the trained σ range [lo, hi]."""
     key = (seed * 1_000_003 + step * 100_003 + j * 1_009 + group_id * 7_919_993) % (2**62)
     gen = torch.Generator().manual_seed(key + seed_formulas.TRAIN_STREAM)
-    u = torch.rand(count, generator=gen) if t.t_distribution == "uniform" else torch.sigmoid(torch.randn(count, generator=gen))
+    u = (
+        torch.rand(count, generator=gen)
+        if t.t_distribution == "uniform"
+        else torch.sigmoid(torch.randn(count, generator=gen))
+    )
     u = t.time_shift * u / (1 + (t.time_shift - 1) * u)
     return sigma_range[0] + (sigma_range[1] - sigma_range[0]) * u, torch.randn((count, *shape), generator=gen)
 
@@ -96,7 +100,9 @@ class GDROTrainer:
         if "clean_endpoints" not in carries:
             return f"trainer: gdro trains on a pool of clean endpoints, which sampler {sampler.name}'s rollouts lack: use ode"
         if "per_edge" in carries:
-            return f"trainer: gdro's pool needs independent samples; sampler {sampler.name}'s share their edges: use ode"
+            return (
+                f"trainer: gdro's pool needs independent samples; sampler {sampler.name}'s share their edges: use ode"
+            )
         if needs := kit.balancer_needs(balancer):
             return (
                 f"balancer {balancer.name} asks the trainer for {', '.join(sorted(needs))}, but gdro ranks the raw weighted "
@@ -111,7 +117,9 @@ class GDROTrainer:
                 f"train.mode={t.mode!r} must be in {GDRO_MODES}, t_distribution={t.t_distribution!r} in {T_DISTRIBUTIONS}, "
                 f"reduce={t.reduce!r} in {REDUCTIONS}"
             )
-        listed = ", ".join(f"{k}={getattr(t, k)}" for k in ("beta", "time_shift", "num_train_timesteps", "pool_shard_prompts"))
+        listed = ", ".join(
+            f"{k}={getattr(t, k)}" for k in ("beta", "time_shift", "num_train_timesteps", "pool_shard_prompts")
+        )
         if min(t.beta, t.time_shift, t.num_train_timesteps, t.pool_shard_prompts) <= 0 or min(t.tau, t.gamma) < 0:
             raise ValueError(f"train.{listed} must all be > 0 and tau={t.tau}, gamma={t.gamma} >= 0")
         if not 2 <= d.group_size <= t.pool_size:
@@ -120,7 +128,9 @@ class GDROTrainer:
                 f"train.pool_size={t.pool_size}]"
             )
         if not cfg.model.use_lora:
-            raise ValueError("trainer: gdro needs model.use_lora=true (the reference is the model with its adapter off)")
+            raise ValueError(
+                "trainer: gdro needs model.use_lora=true (the reference is the model with its adapter off)"
+            )
         if why := self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
             raise ValueError(why)
         acc = accelerator or make_accelerator(cfg)
@@ -151,7 +161,9 @@ class GDROTrainer:
         slots = torch.stack([torch.randperm(t.pool_size, generator=gen)[:k] for _ in every_prompt])  # [B, k]
         raw = {name: scores[pool_rows[:, None], slots] for name, scores in self.pool.rewards.items()}  # [B, k] each
         rewards = sum(parts.weights[name] * value.double() for name, value in raw.items())  # [B, k]
-        x0 = torch.stack([self.pool.x0(int(pool_rows[g]), slots[g]) for g in local_ids.tolist()]).to(device)  # [b, k, ...]
+        x0 = torch.stack([self.pool.x0(int(pool_rows[g]), slots[g]) for g in local_ids.tolist()]).to(
+            device
+        )  # [b, k, ...]
         prompts = [every_prompt[g] for g in local_ids.tolist()]
         meta = [dict(self.metadata[self.prompt_index[p]]) for p in prompts]
         size, negative = resolve_size(parts.sampler, model), parts.sampler.negative_prompt
@@ -183,7 +195,9 @@ class GDROTrainer:
             norm = m * t.gradient_accumulation_steps * draws
             for j in range(draws):
                 count = 1 if t.share_noise else k
-                got = [draw_times(seed, parts.step, j, int(g), count, shape, t, sigma_range) for g in group_ids[mb.rows]]
+                got = [
+                    draw_times(seed, parts.step, j, int(g), count, shape, t, sigma_range) for g in group_ids[mb.rows]
+                ]
                 sigma = torch.cat([s for s, _ in got]).to(x0.device)  # [m·count]
                 noise = torch.cat([e for _, e in got]).to(x0)  # [m·count, ...]
                 if t.share_noise:
@@ -201,6 +215,8 @@ class GDROTrainer:
                 parts.opt.backward(per_group.sum() / norm, boundary=j == draws - 1 and mb.closes_step)
                 steps.losses.append(per_group.detach().mean())
                 signal = st["signal"].double()
-                steps.record({"dsm_loss": ell, "dsm_ref_loss": ell_ref, "implicit_reward": s, "signal_fraction": signal})
+                steps.record(
+                    {"dsm_loss": ell, "dsm_ref_loss": ell_ref, "implicit_reward": s, "signal_fraction": signal}
+                )
                 steps.record({"gdro_loss": group, "reg_loss": reg, "top1_match": (s.argmax(1) == st["top"]).double()})
         return steps.metrics()

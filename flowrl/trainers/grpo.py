@@ -97,9 +97,7 @@ def grpo_composition_error(recipe: type, sampler, balancer, train=None) -> str |
             "balancer.form=full"
         )
     if "per_sample_advantages" in needs and "per_edge" in carries:
-        return (
-            f"balancer {balancer.name} trains per-sample advantages; the {sampler.name} sampler's are per edge: use sampler sde"
-        )
+        return f"balancer {balancer.name} trains per-sample advantages; the {sampler.name} sampler's are per edge: use sampler sde"
     return ratio_control_error(train, sampler.name, carries) if train is not None else None
 
 
@@ -169,7 +167,9 @@ def grpo_optimise(parts: RecipeParts, rollout, advantages, keep, per_reward, reg
     # AIS: log-probs of the policy at rollout time (the ratio's reference) and the advantage coefficients
     old_log_probs, coef, ais_stats = rollout.log_probs, None, {}
     if t.ais.enabled:
-        old_log_probs, coef, ais_stats = ais_coefficients(parts, t.ais, rollout, steps, keep, orders[0], n // t.num_minibatches)
+        old_log_probs, coef, ais_stats = ais_coefficients(
+            parts, t.ais, rollout, steps, keep, orders[0], n // t.num_minibatches
+        )
     stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("policy_loss", "kl", "ratio", "clipped", "approx_kl")}
     control = RatioControl(parts, rollout, steps, orders[0], n // t.num_minibatches)  # clip, or guard / dppo
     optimizer_steps = kit.OptimizerSteps(parts)
@@ -190,7 +190,9 @@ def grpo_optimise(parts: RecipeParts, rollout, advantages, keep, per_reward, reg
             if t.kl_coef > 0:
                 with torch.no_grad(), model.adapter_disabled():
                     v_ref = model.velocity(x, sigma, cond, rollout.guidance_scale)
-            log_prob, kl = sde.rescore_transition(rollout.rule, v, x, x_next, sigma, sigma_next, level, v_ref, t.kl_form, scale)
+            log_prob, kl = sde.rescore_transition(
+                rollout.rule, v, x, x_next, sigma, sigma_next, level, v_ref, t.kl_form, scale
+            )
             kl = kl if kl is not None else torch.zeros_like(log_prob)
             outside_terms = t.kl_coef * kl  # [b] the terms outside the advantage (and outside MARBLE's balancing)
             if regulariser is not None:  # e.g. TAGRPO: the step mean pulled toward better members' next latents

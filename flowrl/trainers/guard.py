@@ -59,7 +59,11 @@ def ratio_control_error(train, sampler: str, carries: frozenset[str]) -> str | N
 
 
 def guard_log_ratio(
-    log_probs: torch.Tensor, old_log_probs: torch.Tensor, means: torch.Tensor, old_means: torch.Tensor, std: torch.Tensor
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    means: torch.Tensor,
+    old_means: torch.Tensor,
+    std: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RatioNorm per sample: (log ρ_guard [n], b [n]) with log ρ_guard = (ℓ_θ − ℓ_old + b)·s and
     b = mean_elements((μ_θ − μ_old)²)/(2s²); ℓ per-element-mean log-densities [n], means [n, ...], std s [n]."""
@@ -131,7 +135,9 @@ class RatioControl:
     at each minibatch, `surrogate(...)` per trained transition and `record(stats)` with the stats of the loss that
     trains; `metrics()` at the end."""
 
-    def __init__(self, parts: RecipeParts, rollout: Rollout, steps: list[list[int]], order: torch.Tensor, minibatch_size: int):
+    def __init__(
+        self, parts: RecipeParts, rollout: Rollout, steps: list[list[int]], order: torch.Tensor, minibatch_size: int
+    ):
         t = parts.cfg.train
         self.t, self.rollout, self.active = t, rollout, t.guard or t.ratio_control != "clip"
         self.name = "guard" if t.guard else t.ratio_control
@@ -170,7 +176,9 @@ class RatioControl:
     def _step(self, v: torch.Tensor, inputs: TransitionInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean [b, ...], std [b]) of the transitions' Gaussians under velocity v, by the rollout's step rule."""
         x, sigma, sigma_next, level, scale = inputs.x, inputs.sigma, inputs.sigma_next, inputs.level, inputs.scale
-        _, _, mean, std = self.rollout.rule.step(v, x, sigma, sigma_next, level, prev_sample=inputs.x_next, std_scale=scale)
+        _, _, mean, std = self.rollout.rule.step(
+            v, x, sigma, sigma_next, level, prev_sample=inputs.x_next, std_scale=scale
+        )
         return mean, std
 
     def _store(self, index: torch.Tensor, k: torch.Tensor, mean: torch.Tensor) -> None:
@@ -197,9 +205,15 @@ class RatioControl:
         else:
             old_mean = self.table[self.slot[index, k]]
         if self.t.guard:
-            dt = torch.as_tensor(inputs.sigma, dtype=torch.float32) - torch.as_tensor(inputs.sigma_next, dtype=torch.float32)
-            return partial(guard_policy_loss, log_prob, old_log_prob, mean, old_mean, std, dt, clip_range=self.t.clip_range)
-        return partial(dppo_policy_loss, log_prob, old_log_prob, mean, old_mean, std, kl_threshold=self.t.dppo_kl_threshold)
+            dt = torch.as_tensor(inputs.sigma, dtype=torch.float32) - torch.as_tensor(
+                inputs.sigma_next, dtype=torch.float32
+            )
+            return partial(
+                guard_policy_loss, log_prob, old_log_prob, mean, old_mean, std, dt, clip_range=self.t.clip_range
+            )
+        return partial(
+            dppo_policy_loss, log_prob, old_log_prob, mean, old_mean, std, kl_threshold=self.t.dppo_kl_threshold
+        )
 
     def record(self, stats: dict[str, torch.Tensor]) -> None:
         if self.active:
@@ -214,7 +228,10 @@ class RatioControl:
         if not self.active:
             return {}
         s = {key: torch.cat(values) for key, values in self.stats.items()}
-        out = {f"{self.name}/log_ratio_mean": float(s["log_ratio"].mean()), f"{self.name}/log_ratio_std": _std(s["log_ratio"])}
+        out = {
+            f"{self.name}/log_ratio_mean": float(s["log_ratio"].mean()),
+            f"{self.name}/log_ratio_std": _std(s["log_ratio"]),
+        }
         if self.t.guard:
             out["guard/norm_log_ratio_mean"] = float(s["guard_log_ratio"].mean())
             out["guard/norm_log_ratio_std"] = _std(s["guard_log_ratio"])

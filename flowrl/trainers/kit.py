@@ -71,7 +71,9 @@ def _declared(kind: str, spec: ComponentConfig, component, method: str, vocabula
     out = frozenset(getattr(component, method)())
     unknown = sorted(out - set(vocabulary))
     if unknown:
-        raise ValueError(f"{kind} {spec.name!r}: {method}() names {unknown}; the known ones are {', '.join(vocabulary)}")
+        raise ValueError(
+            f"{kind} {spec.name!r}: {method}() names {unknown}; the known ones are {', '.join(vocabulary)}"
+        )
     return out
 
 
@@ -227,7 +229,16 @@ def collect(parts: RecipeParts, adapter: str | None = None) -> Experience:
     metrics.update(parts.sampler.rollout_metrics(rollout))  # candidate pools: preview/full rank fidelity; else none
     device = acc.device
     return Experience(
-        batch, rollout, advantages.to(device), per_reward.to(device), keep.to(device), local, metrics, errors, started, rollout_s
+        batch,
+        rollout,
+        advantages.to(device),
+        per_reward.to(device),
+        keep.to(device),
+        local,
+        metrics,
+        errors,
+        started,
+        rollout_s,
     )
 
 
@@ -245,7 +256,9 @@ def finish_step(parts: RecipeParts, exp: Experience, metrics: dict, optimise_s: 
     """Stage 7's step metrics (the `perf/...` timings, sample counts) added to `metrics`; the step counted."""
     samples = parts.local_n * parts.accelerator.num_processes
     wall = exp.started.seconds()
-    metrics.update(step_metrics(wall, exp.rollout_s, exp.scores.seconds, optimise_s, samples, exp.errors, exp.keep.sum()))
+    metrics.update(
+        step_metrics(wall, exp.rollout_s, exp.scores.seconds, optimise_s, samples, exp.errors, exp.keep.sum())
+    )
     parts.step += 1
     return metrics
 

@@ -94,7 +94,9 @@ def training_times(
         )
     k = int(len(candidates) * fraction + 1e-6)
     if k < 1:
-        raise ValueError(f"train.timestep_fraction={fraction} of {len(candidates)} trainable grid times trains no time; raise it")
+        raise ValueError(
+            f"train.timestep_fraction={fraction} of {len(candidates)} trainable grid times trains no time; raise it"
+        )
     return torch.stack([candidates[torch.randperm(len(candidates), generator=g)[:k]] for g in generators])
 
 
@@ -110,7 +112,9 @@ def nft_parts(cfg: RunConfig, accelerator, recipe: type, teachers: tuple[str, ..
     if t.nft_beta <= 0 or t.adv_clip_max <= 0:
         raise ValueError(f"train.nft_beta={t.nft_beta} and train.adv_clip_max={t.adv_clip_max} must be > 0")
     if not cfg.model.use_lora:
-        raise ValueError(f"trainer: {recipe.name} needs model.use_lora=true (the sampling policy and the reference are adapters)")
+        raise ValueError(
+            f"trainer: {recipe.name} needs model.use_lora=true (the sampling policy and the reference are adapters)"
+        )
     if why := recipe.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
         raise ValueError(why)
     acc = accelerator or make_accelerator(cfg)

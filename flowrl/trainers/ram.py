@@ -70,7 +70,11 @@ def old_policy_decay(step: int, ramp: float, cap: float) -> float:
 
 
 def training_draws(
-    generators: list[torch.Generator], shape: tuple[int, ...], k: int, alpha: float, sigma_range: tuple[float, float] = (0.0, 1.0)
+    generators: list[torch.Generator],
+    shape: tuple[int, ...],
+    k: int,
+    alpha: float,
+    sigma_range: tuple[float, float] = (0.0, 1.0),
 ):
     """Per sample (one generator each) its K training times t ~ p(t) ∝ t^α on (lo, hi] (inverse CDF
     (lo^{α+1} + (hi^{α+1} − lo^{α+1})·u)^{1/(α+1)}, u on (0, 1]; [lo, hi] the model's trainable σ range, (0, 1] for
@@ -99,9 +103,7 @@ class RAMTrainer:
         the one-line reason and fix; the constructor raises the same (docs/recipes/compose.md). Any rollout with
         clean endpoints feeds RAM's regression: a tree's leaves and candidate pools' regenerated samples too."""
         if "clean_endpoints" not in kit.rollout_carries(sampler):
-            return (
-                f"trainer: ram regresses on clean endpoints, which the rollouts of sampler {sampler.name} lack: use sampler ode"
-            )
+            return f"trainer: ram regresses on clean endpoints, which the rollouts of sampler {sampler.name} lack: use sampler ode"
         if "reward_gradients" in kit.balancer_needs(balancer):
             return (
                 f"balancer {balancer.name} balances per-reward gradients, which trainer ram does not take (one backward on "
@@ -116,7 +118,9 @@ class RAMTrainer:
         if t.time_alpha <= -1:
             raise ValueError(f"train.time_alpha={t.time_alpha} must be > -1 (p(t) ∝ t^α must be integrable; RAM: 1)")
         if not 0 <= t.old_decay < 1 or t.old_decay_ramp < 0:
-            raise ValueError(f"train.old_decay={t.old_decay} must be in [0, 1) and train.old_decay_ramp={t.old_decay_ramp} >= 0")
+            raise ValueError(
+                f"train.old_decay={t.old_decay} must be in [0, 1) and train.old_decay_ramp={t.old_decay_ramp} >= 0"
+            )
         if not cfg.model.use_lora:
             raise ValueError("trainer: ram needs model.use_lora=true (the old policy and the reference are adapters)")
         why = self.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards)
@@ -126,17 +130,24 @@ class RAMTrainer:
         self.parts = parts = kit.build_parts(
             cfg, acc, type(self), adapters=(OLD,), items_per_sample=t.num_loss_targets_per_sample
         )
-        self.guidance = kit.policy_guidance(parts)  # the loss regresses conditional velocities: CFG stays in the rollout
+        self.guidance = kit.policy_guidance(
+            parts
+        )  # the loss regresses conditional velocities: CFG stays in the rollout
 
     def train_step(self) -> dict[str, float]:
         parts, t = self.parts, self.parts.cfg.train
         exp = kit.collect(parts, adapter=OLD)  # 1-5, the rollout with the old policy
-        x0, cond = exp.rollout.final_latents().to(parts.accelerator.device), exp.rollout.cond  # [N, *latent_shape]; rows [N]
+        x0, cond = (
+            exp.rollout.final_latents().to(parts.accelerator.device),
+            exp.rollout.cond,
+        )  # [N, *latent_shape]; rows [N]
         exp.rollout = None  # the endpoints are all RAM keeps
 
         # 6. Optimise, then step the old policy's EMA
         tic = timed(parts.accelerator.device)
-        draws = seed_formulas.sample_generators(exp.batch.seeds, "cpu", seed_formulas.TRAIN_STREAM)  # a sample's t and ε
+        draws = seed_formulas.sample_generators(
+            exp.batch.seeds, "cpu", seed_formulas.TRAIN_STREAM
+        )  # a sample's t and ε
         shape, sigma_range = tuple(x0.shape[1:]), parts.model.trainable_sigma_range()  # times on the trained side
         times, noises = training_draws(draws, shape, t.num_loss_targets_per_sample, t.time_alpha, sigma_range)
         metrics = exp.metrics | self._optimise(x0, cond, exp.advantages, exp.keep, times, noises)
@@ -169,7 +180,10 @@ class RAMTrainer:
         cached = None
         if t.cache_targets:
             cached = torch.cat(
-                [self._minibatch_target(rows, *items)[1] for rows in torch.arange(n * k).split(n * k // t.num_minibatches)]
+                [
+                    self._minibatch_target(rows, *items)[1]
+                    for rows in torch.arange(n * k).split(n * k // t.num_minibatches)
+                ]
             )
         target_norms = []
         optimizer_steps = kit.OptimizerSteps(parts)
@@ -180,7 +194,9 @@ class RAMTrainer:
             v_theta = model.velocity(x_t, sigma_all[mb.index], select_cond(cond, samples), self.guidance)
             per_item = ram_loss(v_theta, target)  # [b]
             accum = t.gradient_accumulation_steps
-            opt.backward((per_item * keep_b).sum() / kept_per_process(acc, keep_b.sum()) / accum, boundary=mb.closes_step)
+            opt.backward(
+                (per_item * keep_b).sum() / kept_per_process(acc, keep_b.sum()) / accum, boundary=mb.closes_step
+            )
             optimizer_steps.losses.append(per_item.detach().mean())
             target_norms.append(target.pow(2).mean(tuple(range(1, target.ndim))).sqrt().mean())
         loss = float(torch.stack(optimizer_steps.losses).mean())

@@ -128,7 +128,9 @@ def train_teachers(cfg: RunConfig, acc, folder: Path) -> dict:
                 teacher.parts.scorer.close()
         weights, _ = teacher.parts.evaluation.weights(teacher.parts.step)  # what the teacher's run evaluates (its EMA)
         with weights:
-            state = {name: full(p.detach()).cpu() for name, p in teacher.parts.model.adapter_parameters("default").items()}
+            state = {
+                name: full(p.detach()).cpu() for name, p in teacher.parts.model.adapter_parameters("default").items()
+            }
         if acc.is_main_process:
             torch.save(state, folder / f"teacher_{index}.pt")
         del teacher, weights
@@ -160,10 +162,14 @@ class SMOPDTrainer:
         for spec in specs:
             teacher_weights(spec, [r.name for r in cfg.rewards])  # a priority naming no reward of the run fails here
         if t.teacher_steps < 1 or t.distill_coef < 0:
-            raise ValueError(f"train.teacher_steps={t.teacher_steps} must be >= 1 and distill_coef={t.distill_coef} >= 0")
+            raise ValueError(
+                f"train.teacher_steps={t.teacher_steps} must be >= 1 and distill_coef={t.distill_coef} >= 0"
+            )
         mix = torch.tensor([float(s.get("mix", 1.0 / len(specs))) for s in specs], dtype=torch.float64)
         if (mix < 0).any() or abs(float(mix.sum()) - 1.0) > 1e-6:
-            raise ValueError(f"train.teachers mix values {mix.tolist()} must be >= 0 and sum to 1 (leave them out: uniform)")
+            raise ValueError(
+                f"train.teachers mix values {mix.tolist()} must be >= 0 and sum to 1 (leave them out: uniform)"
+            )
         self.mix, self.distill_losses = mix.float(), []
         acc = accelerator or make_accelerator(cfg)
         folder = Path(t.teacher_dir) if t.teacher_dir else cfg.run_dir / "teachers"

@@ -38,7 +38,9 @@ class TreeCreditConfig:
         if self.fusion not in FUSIONS:
             raise ValueError(f"train.tree.fusion={self.fusion!r} must be one of {', '.join(FUSIONS)}")
         if self.width_pruning not in WIDTH_PRUNINGS:
-            raise ValueError(f"train.tree.width_pruning={self.width_pruning!r} must be one of {', '.join(WIDTH_PRUNINGS)}")
+            raise ValueError(
+                f"train.tree.width_pruning={self.width_pruning!r} must be one of {', '.join(WIDTH_PRUNINGS)}"
+            )
         if not 0 < self.width_pruning_ratio <= 1:
             raise ValueError(f"train.tree.width_pruning_ratio={self.width_pruning_ratio} must be in (0, 1]")
 
@@ -75,7 +77,9 @@ def transition_advantages(
         step=step,
         **options,
     )
-    return Credit(edge_advantages.to(advantages.device), rollout.transitions[train], rollout.group_ids.cpu().to(torch.int64))
+    return Credit(
+        edge_advantages.to(advantages.device), rollout.transitions[train], rollout.group_ids.cpu().to(torch.int64)
+    )
 
 
 def shared_counts(steps: list[list[int]], shared_by: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,9 @@ def validate(a: AdversarialConfig) -> None:
 # ------------------------------------------------------------------------------------------ pure pieces
 
 
-def schedule_step(schedule: str, epoch: int, d_times: int, ref_mean: float = 0.0, gen_mean: float = 0.0) -> tuple[bool, bool]:
+def schedule_step(
+    schedule: str, epoch: int, d_times: int, ref_mean: float = 0.0, gen_mean: float = 0.0
+) -> tuple[bool, bool]:
     """(update the generator, take an RM step) at epoch `epoch` (0-based); `ref_mean`/`gen_mean`: the mean RM reward
     of the references and of the samples over every process (gate_ref_below_gen only)."""
     if schedule == "every_epoch":
@@ -107,7 +109,9 @@ def head_logits(head: nn.Module, tokens: torch.Tensor, patch_index: torch.Tensor
     return cls, patches
 
 
-def head_reward(head: nn.Module, tokens: torch.Tensor, patch_index: torch.Tensor, cls_weight: float = 0.7) -> torch.Tensor:
+def head_reward(
+    head: nn.Module, tokens: torch.Tensor, patch_index: torch.Tensor, cls_weight: float = 0.7
+) -> torch.Tensor:
     """The DINO-head reward [N]: cls_weight·h(ĉ) + (1 − cls_weight)·mean_S h(p̂) on normalised tokens."""
     cls, patches = head_logits(head, normalized(tokens), patch_index)
     return cls_weight * cls + (1 - cls_weight) * patches.mean(1)
@@ -238,7 +242,9 @@ class AdversarialReward:
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> RewardOutput:
         return RewardOutput(scores=self.score(images).cpu())
 
-    def update(self, references: torch.Tensor, generated: torch.Tensor, index: torch.Tensor, total: int) -> dict[str, float]:
+    def update(
+        self, references: torch.Tensor, generated: torch.Tensor, index: torch.Tensor, total: int
+    ) -> dict[str, float]:
         """One RM step on this process's pairs (references[i], generated[i]); `index` [M]: their places in the step's
         global batch of `total` samples (each image's patch draw). The loss is over every process's pairs, the
         gradients summed over processes, so every process takes the same step. No pair anywhere: no step."""
@@ -324,10 +330,14 @@ class References:
                     "references.json; pass a JSON mapping prompt -> [image files]"
                 )
             table = json.loads(path.read_text(encoding="utf-8"))
-            self.table = {p: [str(path.parent / f) for f in ([fs] if isinstance(fs, str) else fs)] for p, fs in table.items()}
+            self.table = {
+                p: [str(path.parent / f) for f in ([fs] if isinstance(fs, str) else fs)] for p, fs in table.items()
+            }
         self._loaded: dict[tuple[str, tuple[int, int]], torch.Tensor] = {}  # resized files
 
-    def __call__(self, prompts: list[str], keys: list[int], size: tuple[int, int]) -> tuple[torch.Tensor | None, list[int]]:
+    def __call__(
+        self, prompts: list[str], keys: list[int], size: tuple[int, int]
+    ) -> tuple[torch.Tensor | None, list[int]]:
         """(references [M, 3, H, W] at `size`, the rows of `prompts` they belong to); `keys` [N] pick each row's image."""
         images, rows = [], []
         for i, (prompt, key) in enumerate(zip(prompts, keys)):
@@ -365,4 +375,6 @@ def resized(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """An image [3, H, W] in [0, 1] at `size` (bicubic, antialiased)."""
     if tuple(image.shape[-2:]) == tuple(size):
         return image
-    return torch.nn.functional.interpolate(image[None].float(), size=size, mode="bicubic", antialias=True)[0].clamp(0, 1)
+    return torch.nn.functional.interpolate(image[None].float(), size=size, mode="bicubic", antialias=True)[0].clamp(
+        0, 1
+    )

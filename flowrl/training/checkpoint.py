@@ -41,7 +41,15 @@ from flowrl.training.runs import CHECKPOINTS, step_dir_name, step_of
 # Tests set this to a step number to SIGKILL the process in the middle of writing that step's checkpoint.
 FAULT_ENV = "FLOWRL_FAULT_KILL_DURING_CHECKPOINT"
 # keys that may differ between a checkpoint's config and the config that resumes it
-RESUMABLE_DIFFERENCES = ("num_steps", "checkpoint.", "logging.", "eval.", "device", "output_dir", "distributed_timeout_s")
+RESUMABLE_DIFFERENCES = (
+    "num_steps",
+    "checkpoint.",
+    "logging.",
+    "eval.",
+    "device",
+    "output_dir",
+    "distributed_timeout_s",
+)
 # config sections a recipe no longer holds, with the switch that had them off: a checkpoint written with the section
 # switched off resumes without it (TAGRPO left the GRPO recipe's train.tagrpo for a recipe of its own, trainer: tagrpo)
 RETIRED_SECTIONS = {"train.tagrpo.": ("train.tagrpo.enabled", False)}
@@ -51,7 +59,11 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     folder = Path(run_dir) / CHECKPOINTS
     if not folder.is_dir():
         return []
-    found = [p for p in folder.iterdir() if p.is_dir() and step_of(p.name) is not None and (p / "trainer_state.json").exists()]
+    found = [
+        p
+        for p in folder.iterdir()
+        if p.is_dir() and step_of(p.name) is not None and (p / "trainer_state.json").exists()
+    ]
     return sorted(found, key=lambda p: step_of(p.name))
 
 
@@ -161,7 +173,16 @@ def save_checkpoint(
 
 
 # what reading a damaged checkpoint file raises: json/yaml/UTF-8 errors, safetensors headers, torch's zip and unpickler
-_READ_ERRORS = (OSError, ValueError, EOFError, RuntimeError, KeyError, yaml.YAMLError, SafetensorError, pickle.UnpicklingError)
+_READ_ERRORS = (
+    OSError,
+    ValueError,
+    EOFError,
+    RuntimeError,
+    KeyError,
+    yaml.YAMLError,
+    SafetensorError,
+    pickle.UnpicklingError,
+)
 
 
 def _read_checkpoint_file(file: Path, read: Callable[[Path], Any], kind: type | None = None) -> Any:
@@ -289,7 +310,9 @@ def load_model_for_eval(cfg, checkpoint: str | Path, device: str | torch.device)
     "base" (evaluate it with the adapter switched off, as the run's base eval), "ema" or "raw"."""
     from flowrl.models import build_policy
 
-    state = None if str(checkpoint) == "base" else load_checkpoint(checkpoint)  # a broken one fails before the model loads
+    state = (
+        None if str(checkpoint) == "base" else load_checkpoint(checkpoint)
+    )  # a broken one fails before the model loads
     model = build_policy(cfg.model, device)
     if state is None:
         return model, "base"

@@ -147,7 +147,9 @@ class Sharding:
             )
             self.engine, optimizer = self.acc.prepare(module, optimizer)
             return optimizer
-        if self.acc.mixed_precision != "no":  # parameters gathered in bf16/fp16 for compute, gradients reduced in float32
+        if (
+            self.acc.mixed_precision != "no"
+        ):  # parameters gathered in bf16/fp16 for compute, gradients reduced in float32
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[self.acc.mixed_precision]
@@ -205,19 +207,28 @@ class Sharding:
             for name, p in zip(names, params):
                 moments = {k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}
                 if all(v is not None for v in moments.values()):
-                    state[name] = {"step": torch.tensor(float(steps)), **{k: v.detach().cpu() for k, v in moments.items()}}
-            groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(names)} for g in optimizer.param_groups[:1]]
+                    state[name] = {
+                        "step": torch.tensor(float(steps)),
+                        **{k: v.detach().cpu() for k, v in moments.items()},
+                    }
+            groups = [
+                {k: v for k, v in g.items() if k != "params"} | {"params": list(names)}
+                for g in optimizer.param_groups[:1]
+            ]
             return {"state": state, "param_groups": groups}
         saved = optimizer.state_dict()
         index = {id(p): i for i, p in enumerate(q for g in optimizer.param_groups for q in g["params"])}
         by_position = {index[id(p)]: name for name, p in zip(names, params)}
         state = {
-            by_position[i]: {k: full(v) if torch.is_tensor(v) else v for k, v in s.items()} for i, s in saved["state"].items()
+            by_position[i]: {k: full(v) if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in saved["state"].items()
         }
         groups = [{**g, "params": [by_position[i] for i in g["params"]]} for g in saved["param_groups"]]
         return {"state": state, "param_groups": groups}
 
-    def load_optimizer_state(self, optimizer, names: list[str], params: list[torch.Tensor], saved: dict[str, Any]) -> None:
+    def load_optimizer_state(
+        self, optimizer, names: list[str], params: list[torch.Tensor], saved: dict[str, Any]
+    ) -> None:
         if self.kind == "deepspeed":
             from deepspeed.utils import safe_set_full_optimizer_state
 
@@ -228,7 +239,9 @@ class Sharding:
             steps = next(iter(saved["state"].values()))["step"] if saved["state"] else None
             for s in self.engine.optimizer.optimizer.state.values():
                 if steps is not None and "step" in s:
-                    s["step"] = torch.as_tensor(steps, dtype=s["step"].dtype if torch.is_tensor(s["step"]) else torch.float32)
+                    s["step"] = torch.as_tensor(
+                        steps, dtype=s["step"].dtype if torch.is_tensor(s["step"]) else torch.float32
+                    )
             for group, old in zip(optimizer.param_groups, saved["param_groups"]):
                 group.update({k: v for k, v in old.items() if k != "params"})
             return

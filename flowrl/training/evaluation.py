@@ -133,11 +133,17 @@ def _check_inputs(
     metadata: list[dict] | None,
 ) -> None:
     if not prompts or isinstance(prompts, str):
-        raise ValueError(f"evaluate: prompts={prompts!r} must be a non-empty list of strings; set eval.prompts in the config")
+        raise ValueError(
+            f"evaluate: prompts={prompts!r} must be a non-empty list of strings; set eval.prompts in the config"
+        )
     if not seeds or isinstance(seeds, int):
-        raise ValueError(f"evaluate: seeds={seeds!r} must be a non-empty list of ints; set eval.seeds, e.g. [0, 1, 2, 3]")
+        raise ValueError(
+            f"evaluate: seeds={seeds!r} must be a non-empty list of ints; set eval.seeds, e.g. [0, 1, 2, 3]"
+        )
     if len(set(seeds)) != len(seeds):
-        raise ValueError(f"evaluate: seeds={seeds} repeat a value; give distinct seeds (a repeat would fake zero diversity)")
+        raise ValueError(
+            f"evaluate: seeds={seeds} repeat a value; give distinct seeds (a repeat would fake zero diversity)"
+        )
     if batch_size < 1:
         raise ValueError(f"evaluate: batch_size={batch_size} must be >= 1")
     if metadata is not None and len(metadata) != len(prompts):
@@ -217,7 +223,11 @@ def evaluate(
     num_prompts, num_seeds = len(prompts), len(seeds)
     pairs = [(p, s) for p in range(num_prompts) for s in range(num_seeds)]  # prompt-major, [P*S]
     featurize = diversity_features or pixel_features
-    space = "pixel" if diversity_features is None else getattr(diversity_features, "__name__", type(diversity_features).__name__)
+    space = (
+        "pixel"
+        if diversity_features is None
+        else getattr(diversity_features, "__name__", type(diversity_features).__name__)
+    )
     start = time.perf_counter()
 
     def sample_and_score(rows: range) -> dict[str, Any]:
@@ -228,7 +238,9 @@ def evaluate(
             metadata=[metadata[p] for p, _ in chunk],
             seeds=torch.tensor([seeds[s] for _, s in chunk], dtype=torch.int64),  # [b]
         )
-        images = sampler(model, batch).images.detach().float().clamp(0, 1)  # [b, 3, H, W] or [b, F, 3, H, W], model device
+        images = (
+            sampler(model, batch).images.detach().float().clamp(0, 1)
+        )  # [b, 3, H, W] or [b, F, 3, H, W], model device
         scores = {
             name: nan_to_none(score_checked(reward, images, batch.prompts, batch.metadata).scores.cpu().tolist())
             for name, reward in rewards.items()
@@ -263,7 +275,9 @@ def evaluate(
 
     all_features = torch.cat(features)  # [P*S, D]
     per_prompt = {
-        name: [nanmean([samples[p * num_seeds + s]["scores"][name] for s in range(num_seeds)]) for p in range(num_prompts)]
+        name: [
+            nanmean([samples[p * num_seeds + s]["scores"][name] for s in range(num_seeds)]) for p in range(num_prompts)
+        ]
         for name in rewards
     }
     means = {name: nanmean([sample["scores"][name] for sample in samples]) for name in rewards}
@@ -304,7 +318,9 @@ def evaluate(
     return result
 
 
-def _write_sample(model: FlowModel, out: Path, image: torch.Tensor, pair: tuple[int, int], seeds, scores, k: int) -> dict:
+def _write_sample(
+    model: FlowModel, out: Path, image: torch.Tensor, pair: tuple[int, int], seeds, scores, k: int
+) -> dict:
     """Write one sample's files (p<P>_s<S>.png; video: frame strip, GIF and MP4 when ffmpeg is there); its record."""
     p, s = pair
     stem = f"p{p:03d}_s{s:03d}"
@@ -327,7 +343,9 @@ def _copy_sources(metadata: list[dict], out: Path) -> list[str | None]:
         if meta.get("image") is None:
             sources.append(None)
             continue
-        sources.append(os.path.basename(media.save_image(media.load_image(meta["image"]), str(out / f"p{p:03d}_source.png"))))
+        sources.append(
+            os.path.basename(media.save_image(media.load_image(meta["image"]), str(out / f"p{p:03d}_source.png")))
+        )
     return sources
 
 
@@ -354,7 +372,9 @@ class Evaluator:
         self.train_reward_names = list(rewards)
         overlap = sorted(set(rewards) & set(gold_rewards))
         if overlap:
-            raise ValueError(f"eval.gold_rewards repeats the training reward(s) {overlap}; a gold reward must be another reward")
+            raise ValueError(
+                f"eval.gold_rewards repeats the training reward(s) {overlap}; a gold reward must be another reward"
+            )
         self.rewards = {**rewards, **gold_rewards}
         c = e.corrected_score
         for key in ("reward", "judge") if c is not None else ():
@@ -481,5 +501,7 @@ class TrainingEvaluation:
                 label,
             )
         if result is not None and "corrected_score" in result and result["corrected_score"]["mean"] is not None:
-            self.accelerator.log({"eval/corrected_score": result["corrected_score"]["mean"]}, step=step or 0)  # trackers
+            self.accelerator.log(
+                {"eval/corrected_score": result["corrected_score"]["mean"]}, step=step or 0
+            )  # trackers
         return result

@@ -104,7 +104,9 @@ def show_progress(bar, metrics: dict) -> None:
     bar.set_postfix(shown)
 
 
-def step_metrics(wall: float, rollout_s: float, reward_s: float, optimise_s: float, num_samples: int, errors: int, kept) -> dict:
+def step_metrics(
+    wall: float, rollout_s: float, reward_s: float, optimise_s: float, num_samples: int, errors: int, kept
+) -> dict:
     """The `perf/...` timings and sample counts every recipe logs for one step (`num_samples` over all processes)."""
     return {
         "perf/step_s": wall,
@@ -195,7 +197,9 @@ def train_loop(recipe: Recipe) -> dict:
     acc.init_trackers(cfg.name, config=scalars)
     if parts.step == 0:
         parts.evaluation(None)
-    bar = progress_bar(cfg.logging.progress_bar and acc.is_main_process, cfg.num_steps, parts.step, f"{recipe.name} {cfg.name}")
+    bar = progress_bar(
+        cfg.logging.progress_bar and acc.is_main_process, cfg.num_steps, parts.step, f"{recipe.name} {cfg.name}"
+    )
     history = []
     while parts.step < cfg.num_steps:
         metrics = metered_step(recipe)

@@ -83,7 +83,12 @@ class OptimizerStep:
     """AdamW + warm-up schedule over the module's trainable parameters, prepared for the run's sharding."""
 
     def __init__(
-        self, accelerator, module: torch.nn.Module, cfg: OptimizerConfig, micro_batch: int, mixed_precision: str = "fp32"
+        self,
+        accelerator,
+        module: torch.nn.Module,
+        cfg: OptimizerConfig,
+        micro_batch: int,
+        mixed_precision: str = "fp32",
     ):
         self.acc, self.cfg = accelerator, cfg
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
@@ -231,14 +236,20 @@ class EMA:
     with d = min((1 + s) / (10 + s), decay) in 'ramp' mode (Flow-GRPO) or d = decay in 'constant' mode.
     """
 
-    def __init__(self, names: list[str], params: list[torch.Tensor], decay: float, every_n_steps: int, mode: str = "ramp"):
+    def __init__(
+        self, names: list[str], params: list[torch.Tensor], decay: float, every_n_steps: int, mode: str = "ramp"
+    ):
         if mode not in EMA_MODES:
             raise ValueError(f"train.ema_mode={mode!r} must be 'ramp' or 'constant'")
         if every_n_steps < 1 or not 0.0 <= decay <= 1.0:
-            raise ValueError(f"train.ema_every_n_steps={every_n_steps} must be >= 1 and train.ema_decay={decay} in [0, 1]")
+            raise ValueError(
+                f"train.ema_every_n_steps={every_n_steps} must be >= 1 and train.ema_decay={decay} in [0, 1]"
+            )
         self.names, self.decay, self.every_n_steps, self.mode = names, decay, every_n_steps, mode
         # at least float32 whatever the weights' dtype (DeepSpeed's fp16 engine holds fp16 copies)
-        self.shadow = {n: p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for n, p in zip(names, params)}
+        self.shadow = {
+            n: p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for n, p in zip(names, params)
+        }
         self.num_updates = 0
 
     def decay_at(self, optimizer_steps: int) -> float:

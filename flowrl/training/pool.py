@@ -48,8 +48,12 @@ def pool_fields(cfg, prompts: list[str], metadata: list[dict]) -> dict:
         "model.path": str(m.path),
         "model.dtype": str(m.dtype),
         "model.mixed_precision": str(m.mixed_precision),
-        "sampler": json.loads(json.dumps({"name": cfg.sampler.name, **cfg.sampler.kwargs}, sort_keys=True, default=str)),
-        "rewards": [json.loads(json.dumps({"name": r.name, **r.kwargs}, sort_keys=True, default=str)) for r in cfg.rewards],
+        "sampler": json.loads(
+            json.dumps({"name": cfg.sampler.name, **cfg.sampler.kwargs}, sort_keys=True, default=str)
+        ),
+        "rewards": [
+            json.loads(json.dumps({"name": r.name, **r.kwargs}, sort_keys=True, default=str)) for r in cfg.rewards
+        ],
         "data prompts": hashlib.sha256(listed).hexdigest()[:16],
         "train.pool_size": t.pool_size,
         "train.pool_seed": t.pool_seed,
@@ -101,7 +105,9 @@ def build_pool(cfg, accelerator, model, sampler, rewards: dict, prompts: list[st
     if acc.is_main_process:
         folder.mkdir(parents=True, exist_ok=True)
         if not (folder / MANIFEST).exists():
-            _write_json(folder / MANIFEST, {"format": FORMAT, "fields": fields, "num_prompts": len(prompts), "complete": False})
+            _write_json(
+                folder / MANIFEST, {"format": FORMAT, "fields": fields, "num_prompts": len(prompts), "complete": False}
+            )
     acc.wait_for_everyone()
     manifest = json.loads((folder / MANIFEST).read_text())
     refuse_mismatch(folder, manifest["fields"], fields)
@@ -155,7 +161,11 @@ def _make_shard(path: Path, t, model, sampler, scorer, weights, prompts, metadat
     counts = work.METER.metrics()
     work.METER.reset()
     tensors = {"x0": torch.stack(x0).contiguous()} | {f"reward.{k}": torch.stack(v) for k, v in scores.items()}
-    extra = {"work": json.dumps(counts), "seconds": repr(wall.seconds()), "cpu_seconds": repr(time.process_time() - cpu)}
+    extra = {
+        "work": json.dumps(counts),
+        "seconds": repr(wall.seconds()),
+        "cpu_seconds": repr(time.process_time() - cpu),
+    }
     save_file(tensors, str(path) + ".tmp", metadata=extra)
     os.replace(str(path) + ".tmp", path)  # whole or absent: an interrupted generation redoes only this shard
 
@@ -170,7 +180,12 @@ def _totals(folder: Path, manifest: dict, num_shards: int) -> dict:
         for key, value in json.loads(meta["work"]).items():
             total[key] = total.get(key, 0.0) + value
         seconds, cpu_seconds = seconds + float(meta["seconds"]), cpu_seconds + float(meta["cpu_seconds"])
-    return manifest | {"complete": True, "work": dict(sorted(total.items())), "seconds": seconds, "cpu_seconds": cpu_seconds}
+    return manifest | {
+        "complete": True,
+        "work": dict(sorted(total.items())),
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+    }
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -86,7 +86,9 @@ def _jsonl_records(path: Path, text: str, where: str) -> tuple[list[str], list[d
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f'{at} is not JSON ({err.msg}); write one object a line, e.g. {{"prompt": "a cat"}}') from None
+            raise ValueError(
+                f'{at} is not JSON ({err.msg}); write one object a line, e.g. {{"prompt": "a cat"}}'
+            ) from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
             raise ValueError(f'{at} has no "prompt" string; write one object a line, e.g. {{"prompt": "a cat"}}')
         extra = {k: v for k, v in record.items() if k != "prompt"}
@@ -96,7 +98,9 @@ def _jsonl_records(path: Path, text: str, where: str) -> tuple[list[str], list[d
                 raise ValueError(f'{at}: "image"={image!r} must be a path to a PNG or JPEG (relative to the file)')
             resolved = (path.parent / image).resolve()
             if not resolved.is_file():
-                raise FileNotFoundError(f'{at}: "image"={image!r} does not exist (looked at {str(resolved)!r}); fix the path')
+                raise FileNotFoundError(
+                    f'{at}: "image"={image!r} does not exist (looked at {str(resolved)!r}); fix the path'
+                )
             extra["image"] = str(resolved)
         prompts.append(record["prompt"].strip())
         metadata.append(extra)
@@ -127,7 +131,9 @@ class GroupedPromptSampler:
         if not prompts:
             raise ValueError("GroupedPromptSampler: the prompt list is empty; add at least one prompt")
         if metadata is not None and len(metadata) != len(prompts):
-            raise ValueError(f"GroupedPromptSampler: {len(metadata)} metadata entries for {len(prompts)} prompts; give one each")
+            raise ValueError(
+                f"GroupedPromptSampler: {len(metadata)} metadata entries for {len(prompts)} prompts; give one each"
+            )
         self.prompts, self.b, self.g, self.seed = prompts, num_prompts_per_step, group_size, seed
         self.whole_groups = whole_groups
         if noise_pool < 0:
@@ -147,7 +153,9 @@ class GroupedPromptSampler:
         group_seeds = seeds[group_ids * self.g]  # [B*G] the seed of each group's first sample
         if self.noise_pool:  # the prompt's e-th visit takes its pooled seed e mod P (seeds.pooled_group_seed)
             visits = [(step * self.b + i) // len(self.prompts) for i in range(self.b)]
-            pooled = [seed_formulas.pooled_group_seed(self.seed, p, e % self.noise_pool) for p, e in zip(indices, visits)]
+            pooled = [
+                seed_formulas.pooled_group_seed(self.seed, p, e % self.noise_pool) for p, e in zip(indices, visits)
+            ]
             group_seeds = torch.tensor(pooled).repeat_interleave(self.g)
         return PromptBatch(
             prompts,
@@ -192,7 +200,9 @@ def step_batches(cfg, sampler, num_processes: int, whole_groups: bool = False) -
     sampler.check_groups(d.group_size)  # a tree: one leaf per sample of its group
     sources = (d.prompts, d.prompts_file, d.toy_split, "data", d.toy_sources, d.prompt_set)
     prompts, metadata = load_prompt_records(*sources)
-    prompt_sampler = GroupedPromptSampler(prompts, d.num_prompts_per_step, d.group_size, cfg.seed, whole, metadata, d.noise_pool)
+    prompt_sampler = GroupedPromptSampler(
+        prompts, d.num_prompts_per_step, d.group_size, cfg.seed, whole, metadata, d.noise_pool
+    )
     local_n = prompt_sampler.local_size(num_processes)
     chunks = t.num_rollout_batches
     if local_n % t.num_minibatches or local_n % chunks:

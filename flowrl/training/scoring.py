@@ -127,7 +127,11 @@ class BatchedReward(_RewardWrapper):
             self.reward(images[i : i + b], prompts[i : i + b], None if metadata is None else metadata[i : i + b])
             for i in range(0, len(prompts), b)
         ]
-        parts = {key: torch.cat([c.parts[key] for c in chunks]) for key in chunks[0].parts if all(key in c.parts for c in chunks)}
+        parts = {
+            key: torch.cat([c.parts[key] for c in chunks])
+            for key in chunks[0].parts
+            if all(key in c.parts for c in chunks)
+        }
         return RewardOutput(scores=torch.cat([c.scores for c in chunks]), parts=parts)
 
 
@@ -169,7 +173,12 @@ def _score_each(reward, images, prompts, metadata) -> tuple[torch.Tensor, torch.
 
 
 def score_batch(
-    rewards: dict[str, Any], images: torch.Tensor, prompts: list[str], metadata: list[dict], policy: str, offset: int = 0
+    rewards: dict[str, Any],
+    images: torch.Tensor,
+    prompts: list[str],
+    metadata: list[dict],
+    policy: str,
+    offset: int = 0,
 ) -> Scores:
     """Score one chunk with every reward under the error policy; `offset` places the chunk in error messages."""
     if policy not in POLICIES:
@@ -182,7 +191,9 @@ def score_batch(
             out[name] = score_checked(reward, images, prompts, metadata).scores.detach().float().cpu()
         except Exception as err:  # noqa: BLE001 - one policy for every reward failure
             if policy == "raise":
-                raise RuntimeError(f"reward {name!r} failed on local samples {offset}..{offset + n - 1}: {err}") from err
+                raise RuntimeError(
+                    f"reward {name!r} failed on local samples {offset}..{offset + n - 1}: {err}"
+                ) from err
             out[name], bad = _score_each(reward, images, prompts, metadata)
             errors[name] = int(bad.sum())
             failed |= bad
@@ -285,7 +296,9 @@ def balance_per_reward(accelerator, local: Scores, batch, balancer, weights: dic
     advantages = torch.where(failed, torch.zeros_like(out.advantages), out.advantages)
     per_reward = out.per_reward
     if per_reward is None:
-        per_reward = torch.stack([group_advantages(s, group_ids, std="group", eps=1e-4, clip=None) for s in scores.values()])
+        per_reward = torch.stack(
+            [group_advantages(s, group_ids, std="group", eps=1e-4, clip=None) for s in scores.values()]
+        )
     per_reward = torch.where(failed[None], torch.zeros_like(per_reward), per_reward)
     keep = ~failed & out.keep
     metrics = dict(out.metrics)

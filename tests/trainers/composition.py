@@ -29,7 +29,9 @@ SAMPLER_SETTINGS = {  # per sampler name, on top of SHARED_SAMPLER
     "candidates": {"pool_size": 3, "preview_backend": "few_step", "preview_num_steps": 1},
 }
 # adv_grpo adds reward "adversarial" (its hinge-trained RM's margins are ±1) beside the configured ones
-BALANCER_SETTINGS = {"sa_mrpo": {"bounds": {reward["name"]: [-1.0, 1.0] for reward in [*REWARDS, {"name": "adversarial"}]}}}
+BALANCER_SETTINGS = {
+    "sa_mrpo": {"bounds": {reward["name"]: [-1.0, 1.0] for reward in [*REWARDS, {"name": "adversarial"}]}}
+}
 TRAIN = {  # keys a recipe's config class lacks are dropped
     "learning_rate": 3e-3,
     # Adam's first step moves a weight by lr·g/(|g| + ε), steepest at g = 0 (slope lr/ε = 30): the bound beside
@@ -93,7 +95,11 @@ def row_config(row: dict, output_dir: str, name: str):
 
 
 def trainable(trainer) -> dict:
-    return {n: p.detach().clone().contiguous() for n, p in trainer.parts.model.transformer.named_parameters() if p.requires_grad}
+    return {
+        n: p.detach().clone().contiguous()
+        for n, p in trainer.parts.model.transformer.named_parameters()
+        if p.requires_grad
+    }
 
 
 def main(rows_file: str, out: str) -> None:

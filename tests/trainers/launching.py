@@ -75,10 +75,14 @@ def one_and_two_processes(tmp_path: Path, one: Path) -> tuple[Path, list[list[di
     launch("cpu_2proc", two)
     runs = tmp_path / "runs"
     assert json.loads((runs / "two" / "launch.json").read_text())["num_processes"] == 2
-    return runs, [[json.loads(x) for x in (runs / r / "metrics.jsonl").read_text().splitlines()] for r in ("one", "two")]
+    return runs, [
+        [json.loads(x) for x in (runs / r / "metrics.jsonl").read_text().splitlines()] for r in ("one", "two")
+    ]
 
 
-def assert_same_checkpoints(runs: Path, files: tuple[str, ...], step: str = "step_000002", tolerance: float = 1e-5) -> None:
+def assert_same_checkpoints(
+    runs: Path, files: tuple[str, ...], step: str = "step_000002", tolerance: float = 1e-5
+) -> None:
     """The one- and two-process runs' checkpoint `files` hold the same keys and values within `tolerance`."""
     from safetensors.torch import load_file
 

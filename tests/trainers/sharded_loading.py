@@ -34,7 +34,9 @@ def record(events: list) -> None:
     def recording_to(self, *args, **kwargs):
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None and (name := watched(self)):
-            events.append({"event": "to", "module": name, "device": str(device), "sharded": isinstance(self, fsdp.FSDPModule)})
+            events.append(
+                {"event": "to", "module": name, "device": str(device), "sharded": isinstance(self, fsdp.FSDPModule)}
+            )
         return to(self, *args, **kwargs)
 
     def recording_shard(module, *args, **kwargs):

@@ -37,7 +37,9 @@ def test_memoryless_schedule_is_the_flow_grpo_step_with_a_sqrt2():
         tau = 1 - sigma
         mean = x + h * (2 * -v - x / tau)
         std = (2 * (1 - tau) / tau) ** 0.5 * h**0.5
-        out, _, step_mean, step_std = sde.sde_step(v, x, sigma, sigma_next, "flow_grpo", MEMORYLESS_NOISE_LEVEL, noise=xi)
+        out, _, step_mean, step_std = sde.sde_step(
+            v, x, sigma, sigma_next, "flow_grpo", MEMORYLESS_NOISE_LEVEL, noise=xi
+        )
         assert torch.allclose(step_mean, mean, atol=1e-5)
         assert float(step_std.flatten()[0]) == pytest.approx(std, rel=1e-5)
         assert torch.allclose(out, mean + std * xi, atol=1e-5)
@@ -102,7 +104,9 @@ def gaussian_adjoint_factor(tau: float, s: float, n: int = 20000) -> float:
 
 @pytest.mark.parametrize("num_steps,sigma_max,tolerance", [(40, 0.975, 0.02), (10, 0.975, 0.08)])
 @pytest.mark.parametrize("s", [0.3, 0.8, 1.0])
-def test_lean_adjoint_of_a_gaussian_base_follows_the_continuous_adjoint_on_the_shipped_grids(num_steps, sigma_max, tolerance, s):
+def test_lean_adjoint_of_a_gaussian_base_follows_the_continuous_adjoint_on_the_shipped_grids(
+    num_steps, sigma_max, tolerance, s
+):
     """The base model of 1-D Gaussian data (its velocity linear in x, its slope J(σ) rising from −1 at the data to ≈ 1
     at the noise end) has the closed-form lean adjoint F(τ)·ã(1). At every grid index, including k = 0 where τ_0 =
     0.025 (the first-order Euler recursion's factor 1 − h/τ_0 is ≈ 0 there: −102% at k = 0, −59% at k = 1 on the

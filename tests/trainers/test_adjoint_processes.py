@@ -58,7 +58,12 @@ RECIPES = {
             "num_steps": 3,
             "guidance_scale": 1.0,
         },
-        "train": {"learning_rate": 3e-3, "adam_epsilon": ADAM_EPSILON, "reward_multiplier": 30.0, "num_random_loss_times": 1},
+        "train": {
+            "learning_rate": 3e-3,
+            "adam_epsilon": ADAM_EPSILON,
+            "reward_multiplier": 30.0,
+            "num_random_loss_times": 1,
+        },
     },
 }
 FILES = {
@@ -70,7 +75,12 @@ FILES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["ram", "adjoint_matching"])
 def test_two_gloo_processes_match_one_process(tmp_path, recipe):
-    data = {**BASE, **RECIPES[recipe], "output_dir": str(tmp_path / "runs"), "checkpoint": {"every_n_steps": 0, "keep_last": 1}}
+    data = {
+        **BASE,
+        **RECIPES[recipe],
+        "output_dir": str(tmp_path / "runs"),
+        "checkpoint": {"every_n_steps": 0, "keep_last": 1},
+    }
     one = tmp_path / "one.yaml"
     one.write_text(yaml.safe_dump({**data, "name": "one"}))
     kit.train(build_trainer(load_config(one)))

@@ -68,7 +68,10 @@ def test_the_head_reward_by_hand_and_its_seeded_patches():
     tokens = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)  # CLS + 4 patches
     index = patch_draw(seed=7, version=2, purpose=0, rows=2, num_tokens=4, num=6)
     assert torch.equal(index, patch_draw(7, 2, 0, 2, 4, 6)) and not torch.equal(index, patch_draw(7, 3, 0, 2, 4, 6))
-    (w1, b1), (w2, b2) = (head[0].weight.tolist(), head[0].bias.tolist()), (head[2].weight.tolist()[0], head[2].bias.item())
+    (w1, b1), (w2, b2) = (
+        (head[0].weight.tolist(), head[0].bias.tolist()),
+        (head[2].weight.tolist()[0], head[2].bias.item()),
+    )
 
     def h(x):
         norm = math.sqrt(sum(v * v for v in x)) + 1e-6
@@ -78,7 +81,8 @@ def test_the_head_reward_by_hand_and_its_seeded_patches():
         return sum(w * u for w, u in zip(w2, gelu)) + b2
 
     expected = [
-        0.7 * h(tokens[i, 0].tolist()) + 0.3 * sum(h(tokens[i, 1 + k].tolist()) for k in index[i].tolist()) / 6 for i in range(2)
+        0.7 * h(tokens[i, 0].tolist()) + 0.3 * sum(h(tokens[i, 1 + k].tolist()) for k in index[i].tolist()) / 6
+        for i in range(2)
     ]
     got = head_reward(head, tokens, index, 0.7)
     assert got.tolist() == pytest.approx(expected, rel=1e-12)
@@ -136,7 +140,9 @@ def test_one_rm_step_by_hand():
     assert rm.head.weight.grad[0].tolist() == pytest.approx(grad_w, rel=1e-5)
     assert float(rm.head.bias.grad) == pytest.approx(grad_b, rel=1e-5)
     step = [wi - 0.01 * gi / (abs(gi) + 1e-8) for wi, gi in zip(w, grad_w)]
-    assert rm.head.weight[0].tolist() == pytest.approx(step, rel=1e-5) and rm.version == 1 and stats["train/rm_pairs"] == 2
+    assert (
+        rm.head.weight[0].tolist() == pytest.approx(step, rel=1e-5) and rm.version == 1 and stats["train/rm_pairs"] == 2
+    )
 
 
 def test_references_from_the_world_and_from_a_json_file(tmp_path):
@@ -160,7 +166,11 @@ def adv_config(tmp_path, **overrides):
 
 
 def test_resumes_bit_for_bit_across_rm_only_and_generator_epochs(tmp_path):
-    extra = {"checkpoint.every_n_steps": 1, "train.adversarial.schedule": "every_k_epochs", "train.adversarial.d_times": 2}
+    extra = {
+        "checkpoint.every_n_steps": 1,
+        "train.adversarial.schedule": "every_k_epochs",
+        "train.adversarial.d_times": 2,
+    }
     keys = ("trainable", "optimizer", "trainer_state")
     straight, lines, resumed = straight_and_resumed(adv_config, tmp_path, extra, steps=3, keys=keys)
     assert [x["train/generator_updated"] for x in lines] == [0.0, 1.0, 0.0]
@@ -181,7 +191,14 @@ def test_two_gloo_processes_match_one_process(tmp_path):
         "trainer": "adv_grpo",
         "model": {"path": "toy", "lora_rank": 4},
         "data": {"prompts": ["two red circles", "one blue square"], "num_prompts_per_step": 1, "group_size": 4},
-        "sampler": {"name": "sde", "num_steps": 2, "height": 32, "width": 32, "guidance_scale": 1.0, "noise_level": 0.8},
+        "sampler": {
+            "name": "sde",
+            "num_steps": 2,
+            "height": 32,
+            "width": 32,
+            "guidance_scale": 1.0,
+            "noise_level": 0.8,
+        },
         "rewards": [{"name": "toy_attributes", "weight": 0.0}],
         "checkpoint": {"every_n_steps": 0, "keep_last": 1},
     }
@@ -211,7 +228,9 @@ def test_the_toy_config_runs(tmp_path):
     )
     kit.train(build_trainer(cfg))
     lines = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [x["train/rm_version"] for x in lines] == [1.0, 2.0] and all(x["train/rm_missing_references"] == 0 for x in lines)
+    assert [x["train/rm_version"] for x in lines] == [1.0, 2.0] and all(
+        x["train/rm_missing_references"] == 0 for x in lines
+    )
     assert all(math.isfinite(x["train/loss"]) and math.isfinite(x["reward/adversarial/mean"]) for x in lines)
     assert lines[0]["work/train/reward/adversarial"] == 16.0  # the RM step's backbone forwards: 8 pairs
 

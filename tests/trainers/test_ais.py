@@ -70,7 +70,9 @@ def test_previews_rollout_is_the_sde_run_of_the_preview_model():
         assert torch.equal(extras["seeds"][rows], pool[picked])
         torch.testing.assert_close(rollout.latents[rows], direct.latents[picked], rtol=0, atol=1e-6)
         torch.testing.assert_close(rollout.log_probs[rows], direct.log_probs[picked], rtol=0, atol=1e-5)
-        assert (rollout.latents[rows] - plain.latents[picked]).abs().max() > 1e-3  # the preview drew them, not the policy
+        assert (
+            rollout.latents[rows] - plain.latents[picked]
+        ).abs().max() > 1e-3  # the preview drew them, not the policy
     for backend in ("full", "few_step+cached"):
         with pytest.raises(ValueError, match="training on previews needs a preview model"):
             SAMPLERS.get("candidates")(preview_backend=backend, train_on="previews", full=full)
@@ -106,7 +108,9 @@ def test_ais_is_the_plain_gradient_where_preview_and_policy_agree(tmp_path):
         trainer = GRPOTrainer(preview_config(tmp_path / str(ais), "few_step", ais))
         randomize_adapter(trainer)
         grads[ais], metrics = captured_gradients(trainer)
-    assert metrics["ais/lambda"] == pytest.approx(1.0, abs=1e-6) and metrics["ais/weight_max"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["ais/lambda"] == pytest.approx(1.0, abs=1e-6) and metrics["ais/weight_max"] == pytest.approx(
+        1.0, abs=1e-5
+    )
     assert metrics["train/ratio_min"] == 1.0 and metrics["train/ratio_max"] == 1.0
     for name in grads[False]:
         torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-9)

@@ -135,7 +135,8 @@ def test_training_times_are_one_per_stratum_of_the_rollout_grid():
     times, _ = training_draws(generators(), grid, (1,), 7, 0.9, "discrete", trained)
     assert [set(times[:, j].tolist()) for j in range(7)] == [{6}, {6}, {7}, {8}, {9}, {10}, {11}]
     with pytest.raises(
-        ValueError, match=r"no grid time \[0, int\(T·0.9\)\) of sampler.num_steps=14 \(discrete\) is one the model trains"
+        ValueError,
+        match=r"no grid time \[0, int\(T·0.9\)\) of sampler.num_steps=14 \(discrete\) is one the model trains",
     ):
         training_draws(generators(), grid, (1,), 2, 0.9, "discrete", torch.arange(14) >= 12)
 
@@ -171,7 +172,9 @@ def test_a_toy_step_is_on_policy_and_moves_the_ema_kl_anchor_by_hand(tmp_path):
         v_ema = model.velocity(x, sigma, cond, 1.0).double()
     term = trainer._kl(v, x, sigma, cond, KL_EMA)
     d = v[0].numel()
-    assert term.tolist() == pytest.approx(((v.detach().double() - v_ema) ** 2).flatten(1).sum(1).div(d).tolist(), rel=1e-6)
+    assert term.tolist() == pytest.approx(
+        ((v.detach().double() - v_ema) ** 2).flatten(1).sum(1).div(d).tolist(), rel=1e-6
+    )
     term.sum().backward()
     assert torch.allclose(v.grad.double(), 2 * (v.detach().double() - v_ema) / d, rtol=1e-5, atol=1e-9)
 
@@ -196,7 +199,8 @@ def test_off_policy_path_resumes_bit_for_bit(tmp_path):
         assert_same(a[key], b[key], key)
     assert_same(a["trainable"], trainable(resumed), "live weights")
     anchors = [
-        load_file(str(c.run_dir / "checkpoints" / "step_000002" / "adapter_kl_ema.safetensors")) for c in (straight, resumed_cfg)
+        load_file(str(c.run_dir / "checkpoints" / "step_000002" / "adapter_kl_ema.safetensors"))
+        for c in (straight, resumed_cfg)
     ]
     assert_same(*anchors, "adapter_kl_ema")
 

@@ -50,7 +50,9 @@ def test_the_matrix_is_the_registries_product_with_the_declared_variants(rows):
     assert {c.name for c in balancers.values()} == set(BALANCERS.names())
     assert {name for _, name, _ in compose.trainer_variants()} == set(TRAINERS)
     assert {"grpo(guard)", "grpo(dppo)"} <= set(trainers)
-    assert {"sde(memoryless)", "tree", "candidates(full=ode)", "candidates(full=sde)", "candidates(full=tree)"} <= set(samplers)
+    assert {"sde(memoryless)", "tree", "candidates(full=ode)", "candidates(full=sde)", "candidates(full=tree)"} <= set(
+        samplers
+    )
     assert {"marble(full)", "marble(amortized)"} <= set(balancers)
     for r in rows:
         assert r.keys() == {"sampler", "trainer", "balancer", "works", "why", "shapes_world"}
@@ -117,7 +119,11 @@ def covering(working: list[dict]) -> list[dict]:
     balancer, sampler x balancer): greedily the triple that adds the most pairs not yet covered, ties by order."""
 
     def pairs(r):
-        return {("st", r["sampler"], r["trainer"]), ("tb", r["trainer"], r["balancer"]), ("sb", r["sampler"], r["balancer"])}
+        return {
+            ("st", r["sampler"], r["trainer"]),
+            ("tb", r["trainer"], r["balancer"]),
+            ("sb", r["sampler"], r["balancer"]),
+        }
 
     missing, chosen = set().union(*map(pairs, working)), []
     while missing:
@@ -200,7 +206,11 @@ def test_a_component_without_its_declaration_is_named():
 
     SAMPLERS._entries["bare_for_test"] = Bare
     try:
-        why = compose.composition_error("nft", compose.ComponentConfig("bare_for_test"), compose.ComponentConfig("gdpo"))
+        why = compose.composition_error(
+            "nft", compose.ComponentConfig("bare_for_test"), compose.ComponentConfig("gdpo")
+        )
     finally:
         del SAMPLERS._entries["bare_for_test"]
-    assert why.startswith("sampler 'bare_for_test' declares no carries(): add one returning a subset of clean_endpoints")
+    assert why.startswith(
+        "sampler 'bare_for_test' declares no carries(): add one returning a subset of clean_endpoints"
+    )

@@ -120,7 +120,9 @@ def test_real_config_runs_one_step_on_the_tiny_pipeline(family, tiny_pipeline, t
         tiny = TINY_REWARDS["dino_similarity"](tmp_path / "rm")
         table = tmp_path / "rm" / "references.json"
         prompts = (ROOT / data["data"]["prompts_file"]).read_text().splitlines()
-        table.write_text(__import__("json").dumps(dict.fromkeys(prompts, tiny["references"])))  # the JSON the recipe reads
+        table.write_text(
+            __import__("json").dumps(dict.fromkeys(prompts, tiny["references"]))
+        )  # the JSON the recipe reads
         frames += [f"train.adversarial.backbone={tiny['model']}", f"train.adversarial.references={table}"]
     if data.get("trainer") == "smopd":  # one step per teacher
         frames += ["train.teacher_steps=1"]

@@ -43,7 +43,9 @@ def by_hand(v, x0, eps, ref, adv, clipped=(False,) * 4):
         scores += [s, s]
     weights = [1 / (1 + math.exp(-s)) for s in scores]
     losses = [w * float(a) * ell for w, a, (ell, _) in zip(weights, adv, rows)]
-    grads = [[0.0 if c else w * float(a) / 4 * p for p in grad] for w, a, (_, grad), c in zip(weights, adv, rows, clipped)]
+    grads = [
+        [0.0 if c else w * float(a) / 4 * p for p in grad] for w, a, (_, grad), c in zip(weights, adv, rows, clipped)
+    ]
     return [ell for ell, _ in rows], scores, weights, losses, grads
 
 
@@ -73,7 +75,9 @@ def test_the_clip_truth_table_and_clipped_samples_carry_no_gradient():
     adv = torch.tensor([1.0, 1.0, -1.0, 0.0], dtype=torch.float64)  # A > 0, A > 0, A < 0, A = 0 (counts as A ≤ 0)
     v.requires_grad_(True)
     ell = dsm_loss(v, x0, eps)
-    shifts = torch.tensor([0.2, 0.001, -0.2, -0.2], dtype=torch.float64)  # ρ = exp(ℓ_old − ℓ): e^0.2, e^0.001, e^-0.2, e^-0.2
+    shifts = torch.tensor(
+        [0.2, 0.001, -0.2, -0.2], dtype=torch.float64
+    )  # ρ = exp(ℓ_old − ℓ): e^0.2, e^0.001, e^-0.2, e^-0.2
     loss, s = dgpo_loss(ell, ref, ell.detach() + shifts, adv, ids, BETA, G, 0.05)
     assert s["ratio"].tolist() == pytest.approx([math.exp(float(x)) for x in shifts], rel=1e-12)
     assert s["clipped"].tolist() == [True, False, True, True]  # ρ > 1 + c with A > 0; ρ < 1 − c with A ≤ 0
@@ -157,7 +161,9 @@ def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
 def test_the_toy_config_runs(tmp_path):
     lines = toy_config_run(tmp_path, "dgpo")
     assert [line["step"] for line in lines] == [1, 2]
-    assert all(math.isfinite(line["train/loss"]) and line["train/ratio"] == pytest.approx(1.0, abs=1e-3) for line in lines)
+    assert all(
+        math.isfinite(line["train/loss"]) and line["train/ratio"] == pytest.approx(1.0, abs=1e-3) for line in lines
+    )
 
 
 def test_bad_settings_are_one_line_errors(tmp_path):
@@ -167,7 +173,9 @@ def test_bad_settings_are_one_line_errors(tmp_path):
         build_trainer(dgpo_config(tmp_path, **{"train.ema_ref_decay": 1.5}))
     with pytest.raises(ValueError, match="needs model.use_lora=true"):
         build_trainer(dgpo_config(tmp_path, **{"model.use_lora": False}))
-    with pytest.raises(ValueError, match=r"train.num_minibatches=2 splits prompt groups \(2 samples a process, group_size=2\)"):
+    with pytest.raises(
+        ValueError, match=r"train.num_minibatches=2 splits prompt groups \(2 samples a process, group_size=2\)"
+    ):
         build_trainer(dgpo_config(tmp_path, **{"train.num_minibatches": 2}))
     with pytest.raises(ValueError, match="balancer marble balances per-reward gradients, which dgpo does not take"):
         build_trainer(dgpo_config(tmp_path, **{"balancer": {"name": "marble"}}))
@@ -186,7 +194,9 @@ def step_gradients(tmp_path, monkeypatch, state, **overrides):
     import flowrl.trainers.dgpo as dgpo_module
     import flowrl.trainers.kit as kit
 
-    cfg = dgpo_config(tmp_path, **{"data.num_prompts_per_step": 2, "data.group_size": 2, "train.use_clip": False}, **overrides)
+    cfg = dgpo_config(
+        tmp_path, **{"data.num_prompts_per_step": 2, "data.group_size": 2, "train.use_clip": False}, **overrides
+    )
     cfg.train.max_grad_norm = 0.0  # measure the gradient, do not clip it
     trainer = build_trainer(cfg)
     model, seen = trainer.parts.model, {"calls": []}
@@ -269,7 +279,9 @@ def test_each_term_of_a_step_has_the_formulas_gradient(tmp_path, monkeypatch, us
     gen, state = torch.Generator().manual_seed(11), {}
     for name in ("default", "ema_ref"):
         params = probe.parts.model.adapter_parameters(name)
-        state[name] = {k.replace(f".{name}.", "."): 0.3 * torch.randn(p.shape, generator=gen) for k, p in params.items()}
+        state[name] = {
+            k.replace(f".{name}.", "."): 0.3 * torch.randn(p.shape, generator=gen) for k, p in params.items()
+        }
     kl_coef, ema = 0.5, {"train.use_ema_ref": use_ema_ref}
     plain, seen = step_gradients(tmp_path / "plain", monkeypatch, state, **ema, **{"train.kl_coef": 0.0})
     with_kl, seen_kl = step_gradients(tmp_path / "kl", monkeypatch, state, **ema, **{"train.kl_coef": kl_coef})

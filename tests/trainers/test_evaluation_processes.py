@@ -90,7 +90,9 @@ def test_two_processes_split_the_eval_and_write_the_one_process_files(tmp_path, 
         one, two = one_process / "runs" / "one" / "eval" / label, tmp_path / "runs" / "two" / "eval" / label
         a, b = json.loads((one / "scores.json").read_text()), json.loads((two / "scores.json").read_text())
         assert a.pop("time_s") >= 0 and b.pop("time_s") >= 0
-        assert a["environment"].pop("device") == "cpu" and b["environment"].pop("device") == "cpu:0"  # the process's own
+        assert (
+            a["environment"].pop("device") == "cpu" and b["environment"].pop("device") == "cpu:0"
+        )  # the process's own
         assert a == b
         assert len(a["samples"]) == len(every) and a["means"]["toy_attributes"] is not None
         for sample in a["samples"]:  # the same images, byte for byte
@@ -100,7 +102,9 @@ def test_two_processes_split_the_eval_and_write_the_one_process_files(tmp_path, 
 @pytest.mark.slow
 def test_flowrl_eval_launched_on_two_processes_writes_the_runs_base_eval(tmp_path, one_process):
     evaluate = SCRIPT.parents[2] / "scripts" / "evaluate.py"
-    cmd = launch_command("cpu_2proc", evaluate, "--config", one_process / "one.yaml", "--checkpoint", "base", "--out", tmp_path)
+    cmd = launch_command(
+        "cpu_2proc", evaluate, "--config", one_process / "one.yaml", "--checkpoint", "base", "--out", tmp_path
+    )
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("wrote ") == 1  # the main process prints

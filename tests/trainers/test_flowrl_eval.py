@@ -25,7 +25,14 @@ def toy_i2v(tmp_path, tiny_pipeline):
     return {
         "model": {"path": "toy", "lora_rank": 4, "lora_alpha": 4, "family_kwargs": {"source_weight": 0.5}},
         "data": {"toy_split": "train", "toy_sources": True, "num_prompts_per_step": 1, "group_size": 2},
-        "sampler": {"name": "sde", "num_steps": 2, "height": 32, "width": 32, "guidance_scale": 1.0, "same_latent": True},
+        "sampler": {
+            "name": "sde",
+            "num_steps": 2,
+            "height": 32,
+            "width": 32,
+            "guidance_scale": 1.0,
+            "same_latent": True,
+        },
         "rewards": [{"name": "toy_attributes"}],
         "eval": {"toy_split": "heldout", "toy_sources": True, "num_prompts": 2, "seeds": [0, 1], "num_steps": 2},
     }
@@ -60,7 +67,9 @@ def test_flowrl_eval_of_a_checkpoint_gives_the_runs_own_numbers(tmp_path, tiny_p
     kit.train(build_trainer(load_config(config)))  # its final checkpoint and evaluation: step 1
     folder = tmp_path / "runs" / "run"
     checkpoint, in_training = folder / "checkpoints" / "step_000001", folder / "eval" / "step_000001"
-    assert main(["eval", "--config", str(config), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "again")]) == 0
+    assert (
+        main(["eval", "--config", str(config), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "again")]) == 0
+    )
     a = json.loads((in_training / "scores.json").read_text())
     b = json.loads((tmp_path / "again" / "scores.json").read_text())
     assert a.pop("time_s") >= 0 and b.pop("time_s") >= 0

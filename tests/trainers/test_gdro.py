@@ -146,7 +146,10 @@ def test_the_pool_resumes_is_reused_and_refuses_another_config(tmp_path, monkeyp
     assert made == ["shard_00000.safetensors", "shard_00001.safetensors"]  # the finished shard is not redone
     assert_same(resumed.pool.rewards, whole.rewards, "rewards")
     assert_same(resumed.pool.x0(1, torch.arange(4)), whole.x0(1, torch.arange(4)), "x0")
-    assert resumed.pool.manifest["work"] == whole.manifest["work"] and whole.manifest["work"]["work/rollout/forward/policy"] == 16
+    assert (
+        resumed.pool.manifest["work"] == whole.manifest["work"]
+        and whole.manifest["work"]["work/rollout/forward/policy"] == 16
+    )
 
     work.METER.reset()
     again = build_trainer(gdro_config(tmp_path / "cut", seed=6))  # another seed: the same pool, no forward
@@ -154,7 +157,9 @@ def test_the_pool_resumes_is_reused_and_refuses_another_config(tmp_path, monkeyp
     first = metered_step(again)  # the pool's recorded work is billed at the first step
     assert first["work/rollout/forward/policy"] == 16
     assert first["perf/offline_s"] == again.pool.manifest["seconds"] and "perf/offline_s" not in metered_step(again)
-    with pytest.raises(ValueError, match=r"holds a pool made with train.pool_size=4, this run has 3: delete that folder"):
+    with pytest.raises(
+        ValueError, match=r"holds a pool made with train.pool_size=4, this run has 3: delete that folder"
+    ):
         build_trainer(gdro_config(tmp_path / "cut", **{"train.pool_size": 3}))
 
 

@@ -195,7 +195,9 @@ def tiny_rollout(seed=11):
     states, old_lps = [x], []
     for k in range(3):
         xi = torch.randn(3, 2, 3, generator=gen)
-        x, lp, _, _ = RULE.step(velocity(old, x, SIGMAS_TINY[k]), x, SIGMAS_TINY[k], SIGMAS_TINY[k + 1], A_NOISE, noise=xi)
+        x, lp, _, _ = RULE.step(
+            velocity(old, x, SIGMAS_TINY[k]), x, SIGMAS_TINY[k], SIGMAS_TINY[k + 1], A_NOISE, noise=xi
+        )
         states.append(x)
         old_lps.append(lp)
     return old, new, states, torch.stack(old_lps, 1)  # old_lps [3, 3]
@@ -259,7 +261,9 @@ def hand_loss(option, old, new, states, old_lps, clip_range, kl_threshold):
     return total, min(compared)
 
 
-@pytest.mark.parametrize("option, clip_range, kl_threshold", [("clip", 0.05, 0.0), ("guard", 0.01, 0.0), ("dppo", 0.0, 0.002)])
+@pytest.mark.parametrize(
+    "option, clip_range, kl_threshold", [("clip", 0.05, 0.0), ("guard", 0.01, 0.0), ("dppo", 0.0, 0.002)]
+)
 def test_loss_and_gradient_equal_a_float64_hand_computation(option, clip_range, kl_threshold):
     """3 samples x 3 transitions of a tiny parametrised velocity, current ≠ old weights, clip range and KL threshold set
     inside the spread of the ratios and KLs (some clipped or masked, some not): the value and the gradient of both
@@ -321,7 +325,9 @@ OPTIONS = {"guard": ["train.guard=true", "train.clip_range=2e-6"], "dppo": ["tra
 def test_a_toy_run_with_each_option_trains_and_logs_its_metrics(tmp_path, option):
     """2 steps of the toy GRPO config, 2 minibatches and 2 optimizer steps a step (the second minibatch's old means come
     from the pass before the first optimizer step)."""
-    cfg = toy_config(tmp_path, option, "num_steps=2", "train.num_minibatches=2", "train.num_rollout_batches=2", *OPTIONS[option])
+    cfg = toy_config(
+        tmp_path, option, "num_steps=2", "train.num_minibatches=2", "train.num_rollout_batches=2", *OPTIONS[option]
+    )
     trainer = build_trainer(cfg)
     before = [p.detach().clone() for p in trainer.parts.opt.params]
     kit.train(trainer)
@@ -358,7 +364,12 @@ def test_on_policy_every_ratio_is_one_and_the_options_add_only_their_pass(tmp_pa
     or dppo/ metric. On: every ratio of every pass is exactly 1, whether its old means came from its own forward, the
     pass before the first optimizer step or the table the second epoch reads; that pass is one forward for each of the
     second minibatch's 2 window steps, and the first minibatch's old means cost nothing."""
-    on_policy = ["train.learning_rate=0.0", "train.num_minibatches=2", "train.num_rollout_batches=2", "train.num_inner_epochs=2"]
+    on_policy = [
+        "train.learning_rate=0.0",
+        "train.num_minibatches=2",
+        "train.num_rollout_batches=2",
+        "train.num_inner_epochs=2",
+    ]
     plain, forwards = counted_step(toy_config(tmp_path, "plain", *on_policy))
     assert not any(k.startswith(("guard/", "dppo/")) for k in plain)
     for option, overrides in OPTIONS.items():
@@ -465,7 +476,11 @@ def test_the_matrix_lists_both_options_and_refuses_what_they_cannot_use():
     [
         ({"kind": "dance", "noise_level": 0.3}, {"guard": True}, "train.guard (GRPO-Guard) needs Flow-GRPO SDE steps"),
         ({"kind": "cps", "noise_level": 0.8}, {"guard": True}, "train.guard (GRPO-Guard) needs Flow-GRPO SDE steps"),
-        ({"kind": "cps", "noise_level": 0.8, "log_prob_mode": "cps_sq"}, {"ratio_control": "dppo"}, "train.ratio_control=dppo"),
+        (
+            {"kind": "cps", "noise_level": 0.8, "log_prob_mode": "cps_sq"},
+            {"ratio_control": "dppo"},
+            "train.ratio_control=dppo",
+        ),
         ({}, {"guard": True, "ratio_control": "dppo"}, "train.guard normalises the ratio that PPO's clip bounds"),
         ({}, {"ratio_control": "ppo"}, "train.ratio_control='ppo' must be one of clip, dppo"),
         ({}, {"ratio_control": "dppo", "dppo_kl_threshold": -1.0}, "train.dppo_kl_threshold=-1.0 must be >= 0"),

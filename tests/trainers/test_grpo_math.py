@@ -26,7 +26,14 @@ def config(tmp_path, pipeline, minibatches, accumulation):
             "seed": 5,
             "model": {"path": pipeline, "lora_rank": 4, "lora_alpha": 8},
             "data": {"prompts": ["a red cat", "a blue dog"], "num_prompts_per_step": 2, "group_size": 2},
-            "sampler": {"name": "sde", "num_steps": 3, "height": 32, "width": 32, "guidance_scale": 2.0, "noise_level": A_NOISE},
+            "sampler": {
+                "name": "sde",
+                "num_steps": 3,
+                "height": 32,
+                "width": 32,
+                "guidance_scale": 2.0,
+                "noise_level": A_NOISE,
+            },
             "rewards": [{"name": "jpeg_compressibility"}],
             "balancer": {"name": "weighted_sum", "std": "group"},
             "train": {

@@ -30,7 +30,13 @@ def toy_config(tmp_path, **overrides):
         "sampler": {"name": "sde", "num_steps": 4, "guidance_scale": 1.0, "noise_level": 0.8},
         "rewards": [{"name": "toy_attributes"}],
         "balancer": {"name": "weighted_sum", "std": "group"},
-        "train": {"learning_rate": 0.0, "clip_range": 1e-2, "use_async_rewards": False, "use_ema": False, "max_grad_norm": 1e9},
+        "train": {
+            "learning_rate": 0.0,
+            "clip_range": 1e-2,
+            "use_async_rewards": False,
+            "use_ema": False,
+            "max_grad_norm": 1e9,
+        },
         "logging": {"trackers": [], "progress_bar": False},
     }
     set_dotted(data, overrides)
@@ -76,7 +82,9 @@ def test_fp16_gradient_is_nonzero_and_close_to_fp32(tmp_path):
     An overflow at the loss scale would halve it and skip the step (the step is then repeated)."""
     grads = {}
     for precision in ("fp32", "fp16"):
-        cfg = toy_config(tmp_path / precision, **{"model.mixed_precision": precision, "rewards": [{"name": "test_by_prompt"}]})
+        cfg = toy_config(
+            tmp_path / precision, **{"model.mixed_precision": precision, "rewards": [{"name": "test_by_prompt"}]}
+        )
         trainer = GRPOTrainer(cfg)
         randomize_adapter(trainer)
         for _ in range(10):
@@ -132,7 +140,9 @@ def test_a_trajectory_does_not_depend_on_its_batch_mates_or_the_chunking(tmp_pat
     model = load_flow_model("toy")
     prompt_sampler = GroupedPromptSampler(PROMPTS, num_prompts_per_step=2, group_size=4, seed=4)
     batch = prompt_sampler.global_batch(0)
-    sampler = SAMPLERS.get("sde")(num_steps=6, noise_level=0.9, sde_window_size=2, sde_window_range=(0, 5), decode=False)
+    sampler = SAMPLERS.get("sde")(
+        num_steps=6, noise_level=0.9, sde_window_size=2, sde_window_range=(0, 5), decode=False
+    )
     whole = sampler(model, batch)
     starts = {int(r.nonzero()[0]) for r in whole.noise_levels}
     assert len(starts) > 1  # the windows really differ within the batch
@@ -162,7 +172,9 @@ def test_filter_zero_std_normalises_by_the_kept_samples(tmp_path):
     """Half the samples have advantage 0: filtered, the same gradient is divided by 2 samples, not 4."""
     grads = {}
     for flag in (False, True):
-        cfg = toy_config(tmp_path / str(flag), **{"rewards": [{"name": "test_by_prompt"}], "train.filter_zero_std": flag})
+        cfg = toy_config(
+            tmp_path / str(flag), **{"rewards": [{"name": "test_by_prompt"}], "train.filter_zero_std": flag}
+        )
         trainer = GRPOTrainer(cfg)
         assert set(trainer.parts.prompt_sampler.global_batch(0).prompts) == {"two red circles", "one blue square"}
         grads[flag], metrics = captured_gradients(trainer)
@@ -177,7 +189,10 @@ def test_rollout_concat_keeps_extras_and_offsets_transitions(tmp_path):
 
     model = load_flow_model("toy")
     sampler = SAMPLERS.get("sde")(num_steps=3, noise_level=0.7, decode=False)
-    parts = [sampler(model, PromptBatch(PROMPTS[i : i + 1], torch.tensor([i]), seeds=torch.tensor([i + 5]))) for i in range(2)]
+    parts = [
+        sampler(model, PromptBatch(PROMPTS[i : i + 1], torch.tensor([i]), seeds=torch.tensor([i + 5])))
+        for i in range(2)
+    ]
     for i, part in enumerate(parts):
         part.extras.update(parents=[f"p{i}"], kind_note="same")
     joined = Rollout.concat(parts)

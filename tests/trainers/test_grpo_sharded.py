@@ -49,7 +49,10 @@ def test_sharded_preset_matches_one_process_and_resumes_plain(tmp_path, plain_ru
     launched = json.loads((run / "launch.json").read_text())
     assert launched["num_processes"] == 2 and launched["sharding"] == preset.split("_")[0], launched
     # gradient norms (before clipping) agree too: Adam would hide a wrongly scaled gradient from the weights
-    norms = [[json.loads(line)["train/grad_norm"] for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (one, run)]
+    norms = [
+        [json.loads(line)["train/grad_norm"] for line in (r / "metrics.jsonl").read_text().splitlines()]
+        for r in (one, run)
+    ]
     assert len(norms[1]) == STEPS and norms[0] == pytest.approx(norms[1], rel=1e-4), norms
 
     # the same weights and EMA as the plain run, and the trained LoRA really moved
@@ -95,7 +98,10 @@ def test_tree_rollouts_train_sharded_as_in_one_process(tmp_path, tiny_pipeline, 
     launch(preset, config)
     one, run = tmp_path / "runs" / "one", tmp_path / "runs" / "sharded"
     assert json.loads((run / "launch.json").read_text())["sharding"] == preset.split("_")[0]
-    norms = [[json.loads(line)["train/grad_norm"] for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (one, run)]
+    norms = [
+        [json.loads(line)["train/grad_norm"] for line in (r / "metrics.jsonl").read_text().splitlines()]
+        for r in (one, run)
+    ]
     assert len(norms[1]) == STEPS and norms[0] == pytest.approx(norms[1], rel=1e-4), norms
     assert max_difference(weights(one), weights(run)) < TOLERANCE
     assert any(float(v.abs().max()) > 0 for k, v in weights(run).items() if "lora_B" in k)

@@ -22,7 +22,14 @@ def tiny_config(tmp_path, pipeline, **overrides):
         "seed": 3,
         "model": {"path": pipeline, "lora_rank": 4},
         "data": {"prompts": ["a red cat", "a blue dog", "a green tree"], "num_prompts_per_step": 2, "group_size": 2},
-        "sampler": {"name": "sde", "num_steps": 3, "height": 32, "width": 32, "guidance_scale": 2.0, "noise_level": 0.7},
+        "sampler": {
+            "name": "sde",
+            "num_steps": 3,
+            "height": 32,
+            "width": 32,
+            "guidance_scale": 2.0,
+            "noise_level": 0.7,
+        },
         "rewards": [{"name": "jpeg_compressibility"}],
         "train": {"learning_rate": 1e-3, "clip_range": 1e-3, "use_async_rewards": False},
         "logging": {"trackers": [], "progress_bar": False},
@@ -68,7 +75,12 @@ def test_training_moves_the_adapter_and_logs(tmp_path, sd3):
     cfg = tiny_config(
         tmp_path,
         sd3,
-        **{"train.num_minibatches": 2, "train.num_rollout_batches": 2, "train.use_async_rewards": True, "train.kl_coef": 0.01},
+        **{
+            "train.num_minibatches": 2,
+            "train.num_rollout_batches": 2,
+            "train.use_async_rewards": True,
+            "train.kl_coef": 0.01,
+        },
     )
     trainer = GRPOTrainer(cfg)
     before = [p.detach().clone() for p in trainer.parts.opt.params]
@@ -112,7 +124,10 @@ class FlakyReward:
 
 @pytest.mark.parametrize(
     "prompt,match",
-    [("boom", "reward 'test_flaky' failed on local samples 0..3.*at sample index 0"), ("inf", "reward 'test_flaky' failed.*inf")],
+    [
+        ("boom", "reward 'test_flaky' failed on local samples 0..3.*at sample index 0"),
+        ("inf", "reward 'test_flaky' failed.*inf"),
+    ],
 )
 def test_reward_errors_raise_by_default(tmp_path, sd3, prompt, match):
     cfg = tiny_config(tmp_path, sd3, **{"rewards": [{"name": "test_flaky"}], "data.prompts": [prompt]})
@@ -122,7 +137,9 @@ def test_reward_errors_raise_by_default(tmp_path, sd3, prompt, match):
 
 def test_reward_errors_skip_samples_when_asked(tmp_path, sd3):
     cfg = tiny_config(
-        tmp_path, sd3, **{"rewards": [{"name": "test_flaky"}], "data.prompts": ["inf"], "on_reward_error": "skip_sample"}
+        tmp_path,
+        sd3,
+        **{"rewards": [{"name": "test_flaky"}], "data.prompts": ["inf"], "on_reward_error": "skip_sample"},
     )
     metrics = GRPOTrainer(cfg).train_step()
     assert metrics["reward/dropped_samples"] == 4 and metrics["train/reward_errors"] == 4
@@ -174,13 +191,17 @@ def test_sizes_must_divide_across_processes(tmp_path, sd3):
 
 def test_missing_prompts_file_and_empty_prompts(tmp_path, sd3):
     cfg = tiny_config(
-        tmp_path, sd3, **{"data": {"prompts_file": str(tmp_path / "none.txt"), "num_prompts_per_step": 2, "group_size": 2}}
+        tmp_path,
+        sd3,
+        **{"data": {"prompts_file": str(tmp_path / "none.txt"), "num_prompts_per_step": 2, "group_size": 2}},
     )
     with pytest.raises(FileNotFoundError, match="none.txt' does not exist"):
         GRPOTrainer(cfg)
     (tmp_path / "empty.txt").write_text("# only a comment\n\n")
     cfg = tiny_config(
-        tmp_path, sd3, **{"data": {"prompts_file": str(tmp_path / "empty.txt"), "num_prompts_per_step": 2, "group_size": 2}}
+        tmp_path,
+        sd3,
+        **{"data": {"prompts_file": str(tmp_path / "empty.txt"), "num_prompts_per_step": 2, "group_size": 2}},
     )
     with pytest.raises(ValueError, match="prompt list is empty"):
         GRPOTrainer(cfg)
@@ -189,7 +210,9 @@ def test_missing_prompts_file_and_empty_prompts(tmp_path, sd3):
 def test_missing_config_file_and_bad_override(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"data": {"prompts": ["x"]}, "rewards": [{"name": "jpeg_compressibility"}]}))
+    (tmp_path / "c.yaml").write_text(
+        yaml.safe_dump({"data": {"prompts": ["x"]}, "rewards": [{"name": "jpeg_compressibility"}]})
+    )
     with pytest.raises(ConfigError, match="must look like key.path=value"):
         load_config(tmp_path / "c.yaml", ["seed"])
     assert load_config(tmp_path / "c.yaml", ["seed=5", "train.learning_rate=1e-5"]).train.learning_rate == 1e-5

@@ -51,7 +51,9 @@ def test_an_accumulated_window_steps_on_the_gradient_of_its_summed_losses():
     net, opt, _, parts = setup(num_minibatches=2, accumulation=2)
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(4))
     order = torch.tensor([3, 0, 2, 1])
-    expected = torch.autograd.grad(sum(net(x[order[i : i + 2]]).pow(2).mean() / 2 for i in (0, 2)), list(net.parameters()))
+    expected = torch.autograd.grad(
+        sum(net(x[order[i : i + 2]]).pow(2).mean() / 2 for i in (0, 2)), list(net.parameters())
+    )
     captured = {}
     step = opt.step
 

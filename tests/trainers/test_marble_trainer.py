@@ -72,7 +72,8 @@ def test_full_window_writes_the_harmonized_gradients_plus_the_kl():
             total = flat if total is None else total + flat
         expected_g.append(total)
     kl_grad = sum(
-        torch.cat([t.flatten() for t in torch.autograd.grad(losses(net, x[b])[2], list(net.parameters()))]) for b in range(2)
+        torch.cat([t.flatten() for t in torch.autograd.grad(losses(net, x[b])[2], list(net.parameters()))])
+        for b in range(2)
     )
     expected = harmonize(torch.stack(expected_g)).direction.float() + kl_grad
 
@@ -103,7 +104,9 @@ def test_amortized_schedule_ema_and_clamp_fallback():
         grads.finish()
         if window == 0:
             fresh = grads.alpha.clone()
-            assert torch.allclose(fresh, 0.7 * torch.full((2,), 0.5, dtype=torch.float64) + 0.3 * harmonize_alpha(net, x, small))
+            assert torch.allclose(
+                fresh, 0.7 * torch.full((2,), 0.5, dtype=torch.float64) + 0.3 * harmonize_alpha(net, x, small)
+            )
         opt.optimizer.zero_grad(set_to_none=True)
     assert modes == ["full", "single", "exact", "full", "single"]  # refresh every 3 windows; the clamp falls back
     assert grads.metrics()["marble/fallbacks"] == 1 and grads.counters["refreshes"] == 2
@@ -114,7 +117,9 @@ def test_amortized_schedule_ema_and_clamp_fallback():
 def harmonize_alpha(net, x, per_reward):
     _, loss_of, _ = losses(net, x)
     params = list(net.parameters())
-    rows = [torch.cat([t.flatten() for t in torch.autograd.grad(loss_of(r), params, retain_graph=True)]) for r in per_reward]
+    rows = [
+        torch.cat([t.flatten() for t in torch.autograd.grad(loss_of(r), params, retain_graph=True)]) for r in per_reward
+    ]
     return harmonize(torch.stack(rows)).alpha
 
 
@@ -195,7 +200,9 @@ def test_alpha_of_two_gloo_processes_equals_one_process(tmp_path):
     """One prompt group of 4 spans both processes: the per-reward gradients are all-reduced before the QP, so both
     processes solve the one QP of the whole batch; windows: refresh, single, refresh, single."""
     for name in ("one", "two"):
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**TOY, "name": name, "output_dir": str(tmp_path / "runs")}))
+        (tmp_path / f"{name}.yaml").write_text(
+            yaml.safe_dump({**TOY, "name": name, "output_dir": str(tmp_path / "runs")})
+        )
     kit.train(build_trainer(build_config(yaml.safe_load((tmp_path / "one.yaml").read_text()))))
     launch("cpu_2proc", tmp_path / "two.yaml")
     runs = tmp_path / "runs"

@@ -101,7 +101,9 @@ def test_adapters_start_at_the_reference_and_old_follows_theta(tmp_path):
 
 
 def test_bad_settings_are_one_line_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"sampler.guidance_scale=4.5 is classifier-free guidance for toy; set it to 1.0"):
+    with pytest.raises(
+        ValueError, match=r"sampler.guidance_scale=4.5 is classifier-free guidance for toy; set it to 1.0"
+    ):
         build_trainer(nft_config(tmp_path, **{"sampler.guidance_scale": 4.5}))
     with pytest.raises(ValueError, match="train.decay_type=7"):
         build_trainer(nft_config(tmp_path, **{"train.decay_type": 7}))

@@ -99,7 +99,9 @@ def flow_matching_loss(model, x0, cond, seed=123, k=16):
 
 
 def test_one_step_raises_the_likelihood_of_high_advantage_endpoints(tmp_path):
-    trainer = build_trainer(ram_config(tmp_path, **{"train.learning_rate": 3e-3, "train.num_loss_targets_per_sample": 8}))
+    trainer = build_trainer(
+        ram_config(tmp_path, **{"train.learning_rate": 3e-3, "train.num_loss_targets_per_sample": 8})
+    )
     model = trainer.parts.model
     prompts = PROMPTS * 2
     cond = model.encode(prompts)
@@ -118,7 +120,9 @@ def test_one_step_raises_the_likelihood_of_high_advantage_endpoints(tmp_path):
 
 
 def test_a_reward_for_red_pixels_makes_the_policy_paint_more_red(tmp_path):
-    trainer = build_trainer(ram_config(tmp_path, **{"train.reward_multiplier": 300.0, "train.num_loss_targets_per_sample": 4}))
+    trainer = build_trainer(
+        ram_config(tmp_path, **{"train.reward_multiplier": 300.0, "train.num_loss_targets_per_sample": 4})
+    )
     before = measured_red(trainer)
     rewards = [trainer.train_step()["reward/test_nft_trainer.RedPixelsReward/mean"] for _ in range(6)]
     after = measured_red(trainer)
@@ -127,7 +131,9 @@ def test_a_reward_for_red_pixels_makes_the_policy_paint_more_red(tmp_path):
 
 def test_old_policy_and_loss_guidance(tmp_path):
     trainer = build_trainer(ram_config(tmp_path, **{"sampler.guidance_scale": 4.5, "train.old_decay_ramp": 0.0}))
-    assert trainer.guidance == 1.0 and kit.sampler_guidance(trainer.parts) == 4.5  # CFG in the rollout, none in the loss
+    assert (
+        trainer.guidance == 1.0 and kit.sampler_guidance(trainer.parts) == 4.5
+    )  # CFG in the rollout, none in the loss
     model = trainer.parts.model
     x = torch.randn(2, *model.latent_shape(32, 32), generator=torch.Generator().manual_seed(0))
     cond, sigma = model.encode(PROMPTS[:2]), torch.tensor([0.7, 0.3])

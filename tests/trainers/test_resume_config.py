@@ -47,7 +47,11 @@ def test_a_retired_section_switched_off_in_the_checkpoint_is_no_difference(tmp_p
     saved["train"]["tagrpo"] = {"enabled": False, "coef": 0.1, "bank_size": 0}
     assert config_differences(saved, current, cfg) == []
     saved["train"]["tagrpo"]["enabled"] = True
-    assert config_differences(saved, current, cfg) == ["train.tagrpo.bank_size", "train.tagrpo.coef", "train.tagrpo.enabled"]
+    assert config_differences(saved, current, cfg) == [
+        "train.tagrpo.bank_size",
+        "train.tagrpo.coef",
+        "train.tagrpo.enabled",
+    ]
 
 
 def test_resume_refuses_a_changed_key_with_a_one_line_error(tmp_path):

@@ -64,7 +64,9 @@ def test_fsdp2_shards_before_anything_large_reaches_the_device_and_trains_as_one
         assert len(shard) == 1, out["events"]
         # nothing moved the whole transformer to the process's device before FSDP2 sharded it ...
         early = [
-            e for e in out["events"][: shard[0]] if e["module"] == "transformer" and torch.device(e["device"]).type == target
+            e
+            for e in out["events"][: shard[0]]
+            if e["module"] == "transformer" and torch.device(e["device"]).type == target
         ]
         assert early == [], early
         # ... and no text encoder ever moved as a whole: it stays on the CPU, copied in only while it encodes
@@ -72,7 +74,9 @@ def test_fsdp2_shards_before_anything_large_reaches_the_device_and_trains_as_one
         assert out["text_encoder_devices"] == ["cpu"] and out["offloaded"] == ["Mistral3ForConditionalGeneration"]
         # every process holds its shard of the transformer: about half (the tiny tensors' shards are padded)
         assert out["transformer_sharded"] and out["transformer_local"] < 0.75 * out["transformer_whole"], out
-    one, run = (load_file(str(tmp_path / "runs" / n / "checkpoints" / f"step_{STEPS:06d}" / FILE)) for n in ("one", "sharded"))
+    one, run = (
+        load_file(str(tmp_path / "runs" / n / "checkpoints" / f"step_{STEPS:06d}" / FILE)) for n in ("one", "sharded")
+    )
     assert one.keys() == run.keys() and len(one) > 0
     assert max(float((one[k] - run[k]).abs().max()) for k in one) < TOLERANCE
     assert any(float(v.abs().max()) > 0 for k, v in run.items() if "lora_B" in k)

@@ -85,7 +85,9 @@ def test_teachers_are_trained_saved_reused_and_refused(tmp_path):
         assert torch.equal(tensor, saved[name.replace(".teacher_0.", ".default.")]) and not tensor.requires_grad
     moved = [k for k, v in saved.items() if "lora_B" in k and v.abs().max() > 0]
     assert moved, "the teacher's step left its LoRA B at zero"
-    assert all(float(p.detach().abs().max()) == 0 for k, p in model.adapter_parameters("default").items() if "lora_B" in k)
+    assert all(
+        float(p.detach().abs().max()) == 0 for k, p in model.adapter_parameters("default").items() if "lora_B" in k
+    )
 
     # the distillation term at a training time, against the teacher's velocity taken here
     x_t = torch.randn(2, *trainer.parts.model.latent_shape(16, 16), generator=torch.Generator().manual_seed(0))

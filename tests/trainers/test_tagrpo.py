@@ -220,7 +220,9 @@ def test_resume_with_a_memory_bank_ends_bit_for_bit(tmp_path):
     straight = build_trainer(toy_config(tmp_path / "s", "tagrpo", num_steps=2, **bank))
     kit.train(straight)
     kit.train(build_trainer(toy_config(tmp_path / "r", "tagrpo", num_steps=1, **bank)))
-    resumed = build_trainer(toy_config(tmp_path / "r", "tagrpo", num_steps=2, **bank, **{"checkpoint.resume": "latest"}))
+    resumed = build_trainer(
+        toy_config(tmp_path / "r", "tagrpo", num_steps=2, **bank, **{"checkpoint.resume": "latest"})
+    )
     kit.train(resumed)
     assert len(straight.bank) > 0
     assert_same(trainable(straight), trainable(resumed))

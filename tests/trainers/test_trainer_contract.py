@@ -29,7 +29,13 @@ PROMPTS = ["two red circles", "one blue square", "three green triangles"]
 REWARD = "redness.RednessReward"  # the registries' dotted-path fallback: tests/trainers is on sys.path
 SAMPLER = {"name": "sde", "num_steps": 2, "guidance_scale": 1.0, "noise_level": 0.8}
 RECIPE_SAMPLERS = {  # recipes that need a particular rollout (each refuses any other at config time)
-    "adjoint_matching": {**SAMPLER, "noise_level": 2**0.5, "sigma_schedule": "dance", "sigma_shift": 1.0, "sigma_max": 0.9},
+    "adjoint_matching": {
+        **SAMPLER,
+        "noise_level": 2**0.5,
+        "sigma_schedule": "dance",
+        "sigma_shift": 1.0,
+        "sigma_max": 0.9,
+    },
     "tagrpo": {**SAMPLER, "same_latent": True},  # a group shares its initial noise
 }
 
@@ -104,7 +110,9 @@ def straight_runs(tmp_path_factory):
 
     def get(name):
         if name not in cache:
-            cfg = toy_config(tmp_path_factory.mktemp(f"straight_{name}"), name, num_steps=2, **{"checkpoint.every_n_steps": 1})
+            cfg = toy_config(
+                tmp_path_factory.mktemp(f"straight_{name}"), name, num_steps=2, **{"checkpoint.every_n_steps": 1}
+            )
             trainer = build_trainer(cfg)
             before = trainable(trainer)
             kit.train(trainer)
@@ -135,7 +143,9 @@ def test_resume_from_a_checkpoint_ends_bit_for_bit_where_the_run_ends(tmp_path, 
     straight_cfg, straight, _ = straight_runs(name)
     # interrupted: 1 step, then a new trainer resumes from the latest checkpoint and runs step 2
     kit.train(build_trainer(toy_config(tmp_path, name, num_steps=1, **{"checkpoint.every_n_steps": 1})))
-    resumed_cfg = toy_config(tmp_path, name, num_steps=2, **{"checkpoint.every_n_steps": 1, "checkpoint.resume": "latest"})
+    resumed_cfg = toy_config(
+        tmp_path, name, num_steps=2, **{"checkpoint.every_n_steps": 1, "checkpoint.resume": "latest"}
+    )
     resumed = build_trainer(resumed_cfg)
     kit.train(resumed)
     lines = [json.loads(line) for line in (resumed_cfg.run_dir / "metrics.jsonl").read_text().splitlines()]

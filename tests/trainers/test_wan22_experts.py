@@ -71,7 +71,9 @@ def trained_sigmas(trainer) -> list[float]:
 def test_one_step_trains_only_the_configured_expert(tmp_path, tiny_pipeline, name, expert):
     trainer = build_trainer(a14b_config(tmp_path, tiny_pipeline("wan22_a14b"), name, expert))
     pipe = trainer.parts.model.pipe
-    trained, frozen = (pipe.transformer, pipe.transformer_2) if expert == "high" else (pipe.transformer_2, pipe.transformer)
+    trained, frozen = (
+        (pipe.transformer, pipe.transformer_2) if expert == "high" else (pipe.transformer_2, pipe.transformer)
+    )
     assert trainer.parts.model.transformer is trained
     lo, hi = trainer.parts.model.trainable_sigma_range()
     assert (lo, hi) == pytest.approx((0.7, 1.0) if expert == "high" else (0.0, 0.7))
@@ -112,7 +114,10 @@ def test_the_sde_window_stays_on_the_trained_experts_steps(tiny_pipeline, expert
             {"sde_window_size": 2, "sde_window_range": [0, 4]},
             r"sampler.sde_window_size=2 in sde_window_range=\(0, 4\) of 6 steps: the model trains steps 4-5 of 6 only",
         ),
-        ({"num_steps": 3}, r"sampler.num_steps=3: no stochastic step of the rollout is on the trained σ range \[0, 0.7\]"),
+        (
+            {"num_steps": 3},
+            r"sampler.num_steps=3: no stochastic step of the rollout is on the trained σ range \[0, 0.7\]",
+        ),
     ],
 )
 def test_a_window_on_the_frozen_side_is_refused_before_training(tmp_path, tiny_pipeline, sampler, message):

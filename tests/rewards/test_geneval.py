@@ -17,7 +17,7 @@ from PIL import Image
 
 from flowrl.registry import REWARDS
 from flowrl.rewards import _geneval_rules as rules
-from flowrl.rewards._tiny import tiny_pickscore
+from flowrl.rewards._tiny import tiny_geneval
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # built, never iterated
 UPSTREAM = Path(__file__).resolve().parents[1] / "fixtures" / "geneval_upstream"
@@ -38,45 +38,6 @@ RECORDS = [  # one per task, as GenEval writes them (`prompt` is for GenEval's o
 ]
 for record in RECORDS:
     record.setdefault("prompt", f"a photo for {record['tag']}")
-
-
-def tiny_geneval(folder: Path, detect: bool = False, num_labels: int = 80) -> dict:
-    """A tiny Mask2Former COCO-instance checkpoint (`model.*` and `class_predictor.*`, as the hub's
-    Mask2FormerForUniversalSegmentation files hold them) and a tiny CLIP folder. detect=True biases the class head
-    so that each of its 8 queries is nearly sure of a dog, a cat, a cup or no object; otherwise nothing passes
-    GenEval's thresholds."""
-    from safetensors.torch import save_file
-    from transformers import Mask2FormerConfig, Mask2FormerModel, SwinConfig
-
-    layers = dict(depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1])
-    backbone = SwinConfig(image_size=64, patch_size=4, embed_dim=16, window_size=4, **layers)
-    backbone.out_features = ["stage1", "stage2", "stage3", "stage4"]
-    sizes = dict(hidden_dim=32, mask_feature_size=32, feature_size=32, encoder_feedforward_dim=32, dim_feedforward=32)
-    config = Mask2FormerConfig(
-        backbone_config=backbone,
-        num_queries=8,
-        encoder_layers=1,
-        decoder_layers=2,
-        num_attention_heads=2,
-        id2label=dict(enumerate(rules.OBJECT_NAMES[:num_labels])),
-        label2id={name: i for i, name in enumerate(rules.OBJECT_NAMES[:num_labels])},
-        architectures=["Mask2FormerForUniversalSegmentation"],
-        **sizes,
-    )
-    torch.manual_seed(0)
-    state = {f"model.{k}": v.contiguous() for k, v in Mask2FormerModel(config).state_dict().items()}
-    generator = torch.Generator().manual_seed(1)
-    weight, bias = 0.02 * torch.randn(num_labels + 1, 32, generator=generator), torch.zeros(num_labels + 1)
-    if detect:
-        weight, bias = torch.zeros(81, 32), torch.full((81,), -10.0)
-        for label in [rules.OBJECT_NAMES.index(name) for name in DETECTED] + [80]:
-            weight[label], bias[label] = 3 * torch.randn(32, generator=generator), 0.0
-    state["class_predictor.weight"], state["class_predictor.bias"] = weight, bias
-    (folder / "detector").mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(folder / "detector")
-    save_file(state, str(folder / "detector" / "model.safetensors"))
-    tiny_pickscore(folder / "clip")
-    return {"detector_model": str(folder / "detector"), "clip_model": str(folder / "clip"), "short_side": 36}
 
 
 def _upstream(name: str):

@@ -66,6 +66,13 @@ CONTRACT_PROMPTS: dict[str, list[str]] = {
 def contract_metadata(name: str, num: int, folder: Path) -> list[dict[str, Any]]:
     """The metadata of the contract tests' samples: `{}`, or for rewards that read a sample's source image
     (image_consistency) a source image written to `folder`."""
+    if name == "geneval":  # GenEval records (a sample without one scores NaN)
+        records = [
+            {"tag": "single_object", "include": [{"class": "dog", "count": 1}]},
+            {"tag": "counting", "include": [{"class": "cup", "count": 2}], "exclude": [{"class": "cup", "count": 3}]},
+            {"tag": "colors", "include": [{"class": "cat", "count": 1, "color": "red"}]},
+        ]
+        return [records[i % len(records)] for i in range(num)]
     if name != "image_consistency":
         return [{} for _ in range(num)]
     import torch

@@ -84,7 +84,8 @@ def tail_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     each threshold has probability 1 / n), and A_i = w_i − mean_group(w). With distinct rewards and ascending
     rank ρ this is H_{n−1} − H_{n−ρ} − (n−1)/n (H: harmonic numbers), ≈ −log(1 − quantile) − 1 in a large
     group. Rank-based: any increasing transform of the rewards gives the same advantages. A group of one,
-    a group of equal rewards and NaN rewards get 0. Derivation: docs/math.md#tailrl-the-log-probability-of-clearing-a-random-bar-tail. Returns [M] float32.
+    a group of equal rewards and NaN rewards get 0. Derivation:
+    docs/math.md#tailrl-the-log-probability-of-clearing-a-random-bar-tail. Returns [M] float32.
     """
     rewards = rewards.float()
     out = torch.zeros_like(rewards)
@@ -261,7 +262,8 @@ def width_prune(
 
 def pruned_depths(depths: list[int], step: int, slide_every_n_steps: int = 0, stop_depth: int = 0) -> list[int]:
     """The child depths depth pruning drops at training step `step` (0-based): `depths`, or with a sliding window
-    every `slide_every_n_steps` steps one level shallower, D − shift with shift = min(step // n, min(D) − stop_depth)."""
+    every `slide_every_n_steps` steps one level shallower, D − shift with
+    shift = min(step // n, min(D) − stop_depth)."""
     if not depths or not slide_every_n_steps:
         return list(depths)
     shift = max(0, min(step // slide_every_n_steps, min(depths) - stop_depth))

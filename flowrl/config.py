@@ -54,13 +54,15 @@ class ModelConfig:
     guidance_rescale (0), stg_scale (0) with stg_blocks, modality_scale (1), and their audio_* twins (None: the video
     values); the sampler's guidance_scale is its video CFG scale."""
     prompt_cache_max_bytes: int = 2 * 1024**3
-    """Bound of the encoded-prompt cache in bytes (an SD3 prompt is about 5 MiB); least recently used prompts go first."""
+    """Bound of the encoded-prompt cache in bytes (an SD3 prompt is about 5 MiB); least recently used prompts go
+    first."""
     prompt_cache_device: str = "model"
     """Where cached prompt embeddings live: 'model' (its device) or 'cpu' (copied to the model's device per batch)."""
     offload_text_encoders: bool = False
     """Keep the text encoders on the CPU; they visit the model's device only to encode prompts the cache lacks."""
     vae_slicing: bool = False
-    """Decode a chunk of latents one sample at a time (diffusers' `vae.enable_slicing()`; the same images, less memory)."""
+    """Decode a chunk of latents one sample at a time (diffusers' `vae.enable_slicing()`; the same images, less
+    memory)."""
     vae_tiling: bool = False
     """Decode large latents in overlapping tiles (diffusers' `vae.enable_tiling()`; close, not equal, images)."""
     attention_backend: str = "sdpa"
@@ -117,7 +119,8 @@ class RewardConfig:
 
 @dataclass
 class CorrectedScoreConfig:
-    """GDRO's hacking-aware evaluation score r·(û − 3) + 0.2 (docs/recipes/gdro.md#the-corrected-score), never a reward."""
+    """GDRO's hacking-aware evaluation score r·(û − 3) + 0.2 (docs/recipes/gdro.md#the-corrected-score), never a
+    reward."""
 
     reward: str = ""
     """r: a training or gold reward's name."""

@@ -1,5 +1,6 @@
 """Losses of the trainers, each a few lines over per-sample tensors (docs/math.md#clipped-surrogate,
-#kl-to-the-reference, #diffusionnft; AWM: docs/recipes/awm.md; DGPO: docs/recipes/dgpo.md; GDRO: docs/recipes/gdro.md)."""
+#kl-to-the-reference, #diffusionnft; AWM: docs/recipes/awm.md; DGPO: docs/recipes/dgpo.md; GDRO:
+docs/recipes/gdro.md)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def ais_mixture(log_weights: torch.Tensor, max_weight: float, reduce=None) -> tu
 def nft_reward(advantages: torch.Tensor, adv_clip_max: float, adv_mode: str = "all") -> torch.Tensor:
     """DiffusionNFT's optimality probability r = clamp(A / (2·A_max) + 1/2, 0, 1) of A = clip(Â, ±A_max) [n].
 
-    `adv_mode` first maps A: 'positive_only' max(A, 0), 'negative_only' min(A, 0), 'one_only' 1[A > 0], 'binary' sign(A).
+    `adv_mode` first maps A: 'positive_only' max(A, 0), 'negative_only' min(A, 0), 'one_only' 1[A > 0], 'binary'
+    sign(A).
     """
     if adv_mode not in ADV_MODES:
         raise ValueError(f"train.adv_mode={adv_mode!r} must be one of {', '.join(ADV_MODES)}")
@@ -231,7 +233,8 @@ def awm_policy_loss(
 
 
 def dsm_loss(v_theta: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """DGPO's denoising loss ℓ per sample [n], float64: the mean over elements of (v − (ε − x0))² (docs/recipes/dgpo.md)."""
+    """DGPO's denoising loss ℓ per sample [n], float64: the mean over elements of (v − (ε − x0))²
+    (docs/recipes/dgpo.md)."""
     return ((v_theta.double() - (noise.double() - x0.double())) ** 2).mean(tuple(range(1, v_theta.ndim)))
 
 

@@ -1,4 +1,5 @@
-"""The time arithmetic of adjoint matching: the memoryless noise schedule and the lean adjoint (docs/math.md#adjoint-matching).
+"""The time arithmetic of adjoint matching: the memoryless noise schedule and the lean adjoint
+(docs/math.md#adjoint-matching).
 
 Part of the SDE layer (flowrl/sde.py owns time; this module continues it for adjoint matching,
 because sde.py is at its length budget). σ-time as everywhere in flowrl: `x_σ = (1 − σ)·x0 + σ·ε`, τ = 1 − σ.

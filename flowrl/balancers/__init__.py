@@ -10,7 +10,8 @@ reward applies to gets advantage 0. Each balancer is a dataclass whose fields ar
     gdpo          group-normalise each reward, weighted sum, batch whitening (arXiv 2601.05242)
     gd2po         gdpo + masks on rollouts whose rewards disagree, group keep-ratio reweighting (arXiv 2606.16771)
     sa_mrpo       gdpo with each weight scaled by (1 − saturation)^γ (arXiv 2608.16072)
-    tail          TailRL: the gradient of E_τ[log P(R > τ)] on the weighted sum (docs/math.md#tailrl-the-log-probability-of-clearing-a-random-bar-tail)
+    tail          TailRL: the gradient of E_τ[log P(R > τ)] on the weighted sum
+                  (docs/math.md#tailrl-the-log-probability-of-clearing-a-random-bar-tail)
     marble        one advantage row per reward; the recipe balances the per-reward gradients (arXiv 2605.06507)
 
 One file per balancer, its registry key the file stem; what several share is in _common.py. `Balance` and the

@@ -1,4 +1,5 @@
-"""gd2po: GDPO with masks on rollouts whose rewards disagree and group keep-ratio reweighting (GD²PO, arXiv 2606.16771)."""
+"""gd2po: GDPO with masks on rollouts whose rewards disagree and group keep-ratio reweighting (GD²PO, arXiv
+2606.16771)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""marble: MARBLE (arXiv 2605.06507), multi-reward gradient balancing (docs/math.md#marble-balance-the-per-reward-gradients-marble).
+"""marble: MARBLE (arXiv 2605.06507), multi-reward gradient balancing
+(docs/math.md#marble-balance-the-per-reward-gradients-marble).
 
 The balancer (`MarbleBalancer`: per-reward advantages) and its pure math; the gradient plumbing a recipe calls with a
 loss closure is flowrl/training/reward_gradients.py (MARBLE needs per-reward losses from stage 6, so it is a balancer

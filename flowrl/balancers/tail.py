@@ -1,4 +1,5 @@
-"""tail: TailRL, the gradient of E_τ[log P(R > τ)] on the weighted sum of the rewards (docs/math.md#tailrl-the-log-probability-of-clearing-a-random-bar-tail)."""
+"""tail: TailRL, the gradient of E_τ[log P(R > τ)] on the weighted sum of the rewards
+(docs/math.md#tailrl-the-log-probability-of-clearing-a-random-bar-tail)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from flowrl.types import Balance
 class TailBalancer:
     """TailRL on the weighted sum R = Σ_k w_k r_k: A_i = Σ_{j: R_j < R_i} 1 / #{l: R_l > R_j} − the group mean
     of that sum, the score-function weight of E_τ[log P(R > τ)] with τ drawn from the group's own rewards
-    (docs/math.md#tailrl-the-log-probability-of-clearing-a-random-bar-tail). Rank-based, so the reward scale does not matter; rare high rewards weigh most."""
+    (docs/math.md#tailrl-the-log-probability-of-clearing-a-random-bar-tail). Rank-based, so the reward scale does not
+    matter; rare high rewards weigh most."""
 
     combines_rewards_linearly: ClassVar[bool] = False  # ranks of the weighted sum: not linear in the rewards
 

@@ -5,10 +5,10 @@ Experimental: on the toy image-to-video world it collapses on every seed (the ra
 docs/recipes/tagrpo.md), so it is kept runnable and tested, not recommended.
 
 The paper (arXiv 2601.05729) is known here from its abstract only: the loss below is a reconstruction, the recipe
-`trainer: tagrpo` (GRPO's stage 6, `flowrl.trainers.grpo.grpo_optimise`, with this alignment as its regulariser). For a trained transition k of sample i (latent z_k^i, the policy's
-Gaussian step mean μ_θ(z_k^i) and std s_k), against the next latents z_{k+1}^j of the other members j of its group
-(same prompt, source image and initial noise) whose transition k was stochastic too, and of the bank's entries for
-that start:
+`trainer: tagrpo` (GRPO's stage 6, `flowrl.trainers.grpo.grpo_optimise`, with this alignment as its regulariser).
+For a trained transition k of sample i (latent z_k^i, the policy's Gaussian step mean μ_θ(z_k^i) and std s_k),
+against the next latents z_{k+1}^j of the other members j of its group (same prompt, source image and initial noise)
+whose transition k was stochastic too, and of the bank's entries for that start:
 
     u_j      = (r_j − mean_g r) / (std_g r + 1e-4)                   the combined reward, z-scored in the group
     a⁺_ij    = w_j · max(u_j − u_i, 0),   a⁻_ij = w_j · max(u_i − u_j, 0)      (w_j = decay^age, 1 for the group)

@@ -1,4 +1,5 @@
-"""The GRPO recipe's two options on the policy ratio beyond PPO's clip (docs/recipes/grpo.md#grpo-options-guard-and-ratio_control).
+"""The GRPO recipe's two options on the policy ratio beyond PPO's clip
+(docs/recipes/grpo.md#grpo-options-guard-and-ratio_control).
 
 * GRPO-Guard (`train.guard`; Wang et al., arXiv 2510.22319; code: flow_grpo's train_sd3_GRPO_Guard.py). RatioNorm takes
   the ratio of a transition as `log ρ_guard = (ℓ_θ − ℓ_old + b)·s`, `b = mean((μ_θ − μ_old)²)/(2s²)`, s the transition's
@@ -7,7 +8,8 @@
   every noise level the same gradient scale on Flow-GRPO's SDE.
 * Flow-DPPO (`train.ratio_control: dppo`; Ping et al., arXiv 2606.11025; code: UniRL's `_flowdppo_kl_adv_loss`). The
   surrogate is `−A·ρ`, ρ = exp(ℓ_θ − ℓ_old), dropped where the exact Gaussian KL between the old and current transition,
-  `mean((μ_θ − μ_old)²)/(2s²)`, is at least τ and the ratio moved the way A pushes it (ρ > 1 with A > 0, ρ < 1 with A < 0).
+  `mean((μ_θ − μ_old)²)/(2s²)`, is at least τ and the ratio moved the way A pushes it (ρ > 1 with A > 0, ρ < 1 with
+  A < 0).
 
 Both need μ_old, the mean of each trained transition's Gaussian under the weights at the start of the step's
 optimisation (UniRL freezes it there too). `RatioControl` takes it, for the transitions that the first optimizer step's
@@ -131,9 +133,9 @@ def dppo_policy_loss(
 
 class RatioControl:
     """One step's policy surrogate for the GRPO loop: PPO's clip (`train.guard` off, `ratio_control: clip`: exactly
-    `clipped_policy_loss`, no extra work) or GRPO-Guard / Flow-DPPO with the old means they need. Call `next_minibatch()`
-    at each minibatch, `surrogate(...)` per trained transition and `record(stats)` with the stats of the loss that
-    trains; `metrics()` at the end."""
+    `clipped_policy_loss`, no extra work) or GRPO-Guard / Flow-DPPO with the old means they need. Call
+    `next_minibatch()` at each minibatch, `surrogate(...)` per trained transition and `record(stats)` with the stats of
+    the loss that trains; `metrics()` at the end."""
 
     def __init__(
         self, parts: RecipeParts, rollout: Rollout, steps: list[list[int]], order: torch.Tensor, minibatch_size: int

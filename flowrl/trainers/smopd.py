@@ -59,7 +59,8 @@ def teacher_weights(spec: dict, rewards: list[str]) -> dict[str, float]:
     """A teacher's reward weights: 1 on its priority rewards, `others` (default 0.2) on the rest."""
     if not isinstance(spec, dict) or set(spec) - {"priority", "others", "mix"}:
         raise ValueError(
-            f"train.teachers entry {spec!r}: write {{priority: [reward, ...], others: 0.2, mix: 0.5}} (others, mix optional)"
+            f"train.teachers entry {spec!r}: write {{priority: [reward, ...], others: 0.2, mix: 0.5}} (others, mix "
+            "optional)"
         )
     priority = spec.get("priority", [])
     priority = [priority] if isinstance(priority, str) else list(priority)

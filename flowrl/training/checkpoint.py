@@ -104,8 +104,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
             index = torch.cuda.current_device()
             if index >= len(cuda):
                 warnings.warn(
-                    f"the checkpoint's CUDA RNG states cover devices 0-{len(cuda) - 1}, not this process's device {index}: "
-                    "its CUDA RNG keeps the run's seeding (flowrl's sampling draws from per-sample generators)",
+                    f"the checkpoint's CUDA RNG states cover devices 0-{len(cuda) - 1}, not this process's device "
+                    f"{index}: its CUDA RNG keeps the run's seeding (flowrl's sampling draws from per-sample "
+                    "generators)",
                     stacklevel=2,
                 )
                 return
@@ -132,7 +133,8 @@ def save_checkpoint(
     """Write the full state of every process for `step`; all processes must call it. Returns the folder.
 
     `trainable`, `optimizer_state` and `ema` are whole (gathered) CPU tensors keyed by parameter name, whatever
-    the sharding (flowrl.training.distributed); only the main process reads them. The LoRA export is written from `trainable`.
+    the sharding (flowrl.training.distributed); only the main process reads them. The LoRA export is written from
+    `trainable`.
     """
     folder = Path(run_dir) / CHECKPOINTS
     final = folder / step_dir_name(step)
@@ -322,7 +324,8 @@ def load_model_for_eval(cfg, checkpoint: str | Path, device: str | torch.device)
     missing = [k for k in weights if k not in params]
     if missing:
         raise ValueError(
-            f"checkpoint {str(checkpoint)!r} has weights the model lacks ({missing[0]}, ...): was it made with another model config?"
+            f"checkpoint {str(checkpoint)!r} has weights the model lacks ({missing[0]}, ...): was it made with another "
+            "model config?"
         )
     with torch.no_grad():
         for name, value in weights.items():

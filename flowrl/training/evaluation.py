@@ -153,7 +153,8 @@ def _check_inputs(
     unknown = [n for n in train_reward_names if n not in rewards]
     if unknown:
         raise ValueError(
-            f"evaluate: train_reward_names {unknown} are not in rewards {sorted(rewards)}; pass every training reward in `rewards`"
+            f"evaluate: train_reward_names {unknown} are not in rewards {sorted(rewards)}; pass every training reward "
+            "in `rewards`"
         )
     modality = "video" if model.is_video else "image"
     for name, reward in rewards.items():

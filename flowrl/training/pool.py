@@ -91,8 +91,8 @@ def refuse_mismatch(folder: Path, saved: dict, fields: dict) -> None:
     for key, value in fields.items():
         if saved.get(key) != value:
             raise ValueError(
-                f"train.pool_dir={str(folder)!r} holds a pool made with {key}={saved.get(key)!r}, this run has {value!r}: "
-                "delete that folder or set train.pool_dir to another one"
+                f"train.pool_dir={str(folder)!r} holds a pool made with {key}={saved.get(key)!r}, this run has "
+                f"{value!r}: delete that folder or set train.pool_dir to another one"
             )
 
 

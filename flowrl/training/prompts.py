@@ -213,8 +213,8 @@ def step_batches(cfg, sampler, num_processes: int, whole_groups: bool = False) -
     sampler.check_groups(d.group_size, local_n // chunks, chunks)  # a tree: whole trees per chunk
     if whole and (local_n // chunks) % d.group_size:
         raise ValueError(
-            f"train.num_rollout_batches={chunks} makes rollout chunks of {local_n // chunks} samples, which splits a prompt "
-            f"group of {d.group_size} (sampler {cfg.sampler.name} works on whole groups); make it a divisor of the "
-            f"{local_n // d.group_size} groups per process"
+            f"train.num_rollout_batches={chunks} makes rollout chunks of {local_n // chunks} samples, which splits a "
+            f"prompt group of {d.group_size} (sampler {cfg.sampler.name} works on whole groups); make it a divisor of "
+            f"the {local_n // d.group_size} groups per process"
         )
     return prompt_sampler, local_n

@@ -43,8 +43,9 @@ class RewardGradients:
     ):
         if marble is not None and marble.form == "amortized" and not affine:
             raise ValueError(
-                "balancer marble: form='amortized' needs a loss affine in the advantage (the NFT recipe); this recipe's "
-                "clipped ratio loss is not affine in the advantage, so Σ α_k ∇ℓ(A_k) ≠ ∇ℓ(Σ α_k A_k): set balancer.form=full"
+                "balancer marble: form='amortized' needs a loss affine in the advantage (the NFT recipe); this "
+                "recipe's clipped ratio loss is not affine in the advantage, so Σ α_k ∇ℓ(A_k) ≠ ∇ℓ(Σ α_k A_k): set "
+                "balancer.form=full"
             )
         if opt.sharding.kind is not None and (marble is not None or probe):
             raise ValueError(

@@ -6,8 +6,8 @@ overlapping the next rollout chunk), apply the one reward-error policy, gather o
     local = scorer.collect()                                                     # Scores of this process
     scores, failed, group_ids = gather_scores(accelerator, local, batch.group_ids)
 
-Policy (the Reward contract, flowrl/reward_contract.py): NaN is "not applicable" (the sample takes no part in that reward). An
-exception, a wrong length or an infinite score is an error: raised (`raise`), or, with `skip_sample`, only
+Policy (the Reward contract, flowrl/reward_contract.py): NaN is "not applicable" (the sample takes no part in that
+reward). An exception, a wrong length or an infinite score is an error: raised (`raise`), or, with `skip_sample`, only
 the samples that fail on their own are dropped (the chunk is re-scored sample by sample to find them); a
 dropped sample has NaN in every reward and `failed` set, and the trainer gives it no loss.
 """

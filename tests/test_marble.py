@@ -1,6 +1,6 @@
-"""MARBLE's math (flowrl/balancers/marble.py): the min-norm solver against brute force on the simplex and the KKT certificate,
-degenerate gradients, the rescaling to the mean norm, the EMA, and Proposition 1 (the amortization identity) by
-autograd on a tiny network with the NFT loss, including where a clamp breaks it."""
+"""MARBLE's math (flowrl/balancers/marble.py): the min-norm solver against brute force on the simplex and the KKT
+certificate, degenerate gradients, the rescaling to the mean norm, the EMA, and Proposition 1 (the amortization
+identity) by autograd on a tiny network with the NFT loss, including where a clamp breaks it."""
 
 import itertools
 

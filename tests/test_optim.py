@@ -1,5 +1,5 @@
-"""flowrl.training.optim: the EMA recurrence written out by hand, the fp16 loss scaler, and the optimizer step's non-finite
-policy on a real single-process `accelerate.Accelerator(cpu=True)` (no mocks)."""
+"""flowrl.training.optim: the EMA recurrence written out by hand, the fp16 loss scaler, and the optimizer step's
+non-finite policy on a real single-process `accelerate.Accelerator(cpu=True)` (no mocks)."""
 
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""Tree credit assignment (flowrl.advantages, BranchGRPO §3.2-3.4) against values computed by hand on hand-built trees."""
+"""Tree credit assignment (flowrl.advantages, BranchGRPO §3.2-3.4) against values computed by hand on hand-built
+trees."""
 
 import math
 
@@ -139,7 +140,8 @@ def test_edge_pruning_of_a_sampler_layout():
     # sliding from depth 3 to the stop depth 1 (the last split step): step 5 with n = 2 shifts by min(2, 2) = 2
     _, keep = tree_edge_advantages(*args, depth_pruning=[3], depth_pruning_slide_every_n_steps=2, step=5)
     assert TABLE[keep].tolist() == [[0, 1], [0, 2], [1, 1], [1, 2], [2, 1], [2, 2], [3, 1], [3, 2]]
-    # width pruning competes only after the last split (the step-2 edges); best_worst: k = 2 -> leaf 3 (best), leaf 0 (worst)
+    # width pruning competes only after the last split (the step-2 edges);
+    # best_worst: k = 2 -> leaf 3 (best), leaf 0 (worst)
     _, keep = tree_edge_advantages(*args, width_pruning="best_worst")
     assert [e for e in TABLE[~keep].tolist()] == [[1, 2], [2, 2]]
     # per_branch: each branch of the last split holds one step-2 edge -> all kept

@@ -1,6 +1,7 @@
-"""Tiny run configs for every row of the composition matrix (flowrl.trainers.compose), shared by tests/trainers/test_compose.py
-and its 2-process worker: `python -m accelerate.commands.launch ... composition.py ROWS.json OUT` runs one training
-step of every row in ROWS.json inside one launch and writes each row's trained weights to OUT/<row index>.safetensors.
+"""Tiny run configs for every row of the composition matrix (flowrl.trainers.compose), shared by
+tests/trainers/test_compose.py and its 2-process worker: `python -m accelerate.commands.launch ... composition.py
+ROWS.json OUT` runs one training step of every row in ROWS.json inside one launch and writes each row's trained weights
+to OUT/<row index>.safetensors.
 
 A sampler or balancer registered later gets only the shared tiny settings below (every sampler here takes
 num_steps, height, width and guidance_scale; a new one that does not needs an entry in SAMPLER_SETTINGS)."""

@@ -116,8 +116,8 @@ def straight_and_resumed(
 ) -> tuple:
     """`steps` steps straight, and one step then the rest resumed from its checkpoint (configs from
     `make_config(folder, num_steps=..., **overrides)`, `extra` holding checkpoint.every_n_steps = 1); asserts the last
-    checkpoints' `keys` and the resumed trainer's live weights equal bit for bit. Returns (the straight config, its metrics
-    lines, the resumed trainer)."""
+    checkpoints' `keys` and the resumed trainer's live weights equal bit for bit. Returns (the straight config, its
+    metrics lines, the resumed trainer)."""
     import json
 
     from test_trainer_contract import assert_same, trainable

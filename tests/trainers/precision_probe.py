@@ -1,8 +1,9 @@
-"""scripts/train.py that records, in each process after training, the dtypes of the state that must stay float32 under
+r"""scripts/train.py that records, in each process after training, the dtypes of the state that must stay float32 under
 a sharded preset (test_sharded_precision.py): the trained parameters, their EMA, NFT's old adapter, and the
 MixedPrecisionPolicy every `fully_shard` got; written to FOLDER/precision_<rank>.json.
 
-    accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml tests/trainers/precision_probe.py CONFIG FOLDER
+    accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml \
+        tests/trainers/precision_probe.py CONFIG FOLDER
 """
 
 import json

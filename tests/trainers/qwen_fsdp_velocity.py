@@ -1,8 +1,9 @@
-"""Qwen-Image velocities with the transformer sharded by FSDP2 over the launched processes (test_qwen_image_fsdp.py):
+r"""Qwen-Image velocities with the transformer sharded by FSDP2 over the launched processes (test_qwen_image_fsdp.py):
 each process encodes its own prompts (PROMPTS[rank]: their padded lengths differ between the processes), counts the
 transformer's calls and writes its velocities (guidance 1 and 4) to FOLDER/velocity_<rank>.pt.
 
-    accelerate launch --config_file configs/accelerate/cpu_2proc.yaml tests/trainers/qwen_fsdp_velocity.py PIPELINE FOLDER
+    accelerate launch --config_file configs/accelerate/cpu_2proc.yaml \
+        tests/trainers/qwen_fsdp_velocity.py PIPELINE FOLDER
 """
 
 import os

@@ -1,7 +1,7 @@
-"""The composition matrix (flowrl.trainers.compose, `flowrl recipes`): it is the registries' product; every refused triple
-is refused by `build_trainer` at config time, before a model loads, with the matrix's own "why"; every working triple
-trains a toy step, resumes bit for bit, and under 2 gloo processes (one launch for all of them) gives the weights of
-1 process. Tiny runs (tests/trainers/composition.py): 2 prompts x group 2, 16x16, 2 sampler steps, two test rewards
+"""The composition matrix (flowrl.trainers.compose, `flowrl recipes`): it is the registries' product; every refused
+triple is refused by `build_trainer` at config time, before a model loads, with the matrix's own "why"; every working
+triple trains a toy step, resumes bit for bit, and under 2 gloo processes (one launch for all of them) gives the weights
+of 1 process. Tiny runs (tests/trainers/composition.py): 2 prompts x group 2, 16x16, 2 sampler steps, two test rewards
 that give every group spread and rank its samples alike."""
 
 import copy

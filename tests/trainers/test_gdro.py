@@ -25,7 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.p
 
 
 def by_hand(s: list[float], r: list[float], tau: float, top1: bool = False) -> tuple[float, list[float]]:
-    """The Plackett–Luce loss and ∂L/∂s in Python floats: items sorted by r descending, positions i < k − 1 (top1: 0)."""
+    """The Plackett–Luce loss and ∂L/∂s in Python floats: items sorted by r descending, positions i < k − 1
+    (top1: 0)."""
     k = len(s)
     order = sorted(range(k), key=lambda j: -r[j])
     loss, grad = 0.0, [0.0] * k

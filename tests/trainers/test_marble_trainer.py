@@ -1,6 +1,6 @@
-"""MARBLE in the recipes (flowrl.training.reward_gradients.RewardGradients, balancer `marble`): the combined .grad against the
-per-reward gradients taken one by one, the amortized schedule and its clamp fallback, the config errors, a toy
-learning test, and α of 2 gloo processes equal to 1 process (accelerate launch)."""
+"""MARBLE in the recipes (flowrl.training.reward_gradients.RewardGradients, balancer `marble`): the combined .grad
+against the per-reward gradients taken one by one, the amortized schedule and its clamp fallback, the config errors, a
+toy learning test, and α of 2 gloo processes equal to 1 process (accelerate launch)."""
 
 import json
 

@@ -1,5 +1,6 @@
 """Loading for FSDP2 (flowrl.models.placement): no process moves the whole transformer or a text encoder to its device
-before FSDP2 shards the transformer, and training still matches one plain process (tiny FLUX.2 [dev], 2 gloo processes)."""
+before FSDP2 shards the transformer, and training still matches one plain process (tiny FLUX.2 [dev], 2 gloo
+processes)."""
 
 import json
 import subprocess

@@ -1,5 +1,6 @@
 """Under the sharded presets with bf16 mixed precision (2 gloo processes, tiny SD3, NFT), the trained LoRA, its EMA and
-NFT's old adapter stay float32 after a step, and FSDP2 reduces gradients in float32 (docs/models.md#precision-under-sharding)."""
+NFT's old adapter stay float32 after a step, and FSDP2 reduces gradients in float32
+(docs/models.md#precision-under-sharding)."""
 
 import json
 import subprocess

@@ -1,5 +1,5 @@
-"""TAGRPO's trajectory alignment (flowrl/experimental/tagrpo.py, the recipe `trainer: tagrpo`): the targets, the loss and
-its clip by hand, the memory bank's eviction and weights, coef 0 equal to plain GRPO, the alignment loss lowering
+"""TAGRPO's trajectory alignment (flowrl/experimental/tagrpo.py, the recipe `trainer: tagrpo`): the targets, the loss
+and its clip by hand, the memory bank's eviction and weights, coef 0 equal to plain GRPO, the alignment loss lowering
 the distance to better members on the toy model, and resume with a bank bit for bit."""
 
 import math

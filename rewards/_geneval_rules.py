@@ -102,8 +102,12 @@ def _count(value: Any, where: str) -> int:
     return value
 
 
-def _name(value: Any, where: str) -> str:
-    if value not in OBJECT_NAMES:
+def _name(value: Any, where: str, names: tuple[str, ...] = OBJECT_NAMES) -> str:
+    if value not in names:
+        if names is not OBJECT_NAMES:
+            raise ValueError(
+                f"{where}.class={value!r} is not a class of this detector{_closest(value, names)}; use one of {names}"
+            )
         raise ValueError(
             f"{where}.class={value!r} is not one of GenEval's 80 COCO names{_closest(value, OBJECT_NAMES)}; "
             "use a name of OBJECT_NAMES in rewards/_geneval_rules.py"
@@ -128,9 +132,10 @@ def _entries(value: Any, where: str, keys: tuple[str, ...], required: bool) -> l
     return value
 
 
-def parse_record(meta: Any, where: str) -> Record | None:
+def parse_record(meta: Any, where: str, names: tuple[str, ...] = OBJECT_NAMES) -> Record | None:
     """A sample's metadata as a GenEval record; None when it holds neither `tag` nor `include` (not a GenEval
-    prompt: its scores are NaN). A malformed record raises a ValueError naming the field and the fix."""
+    prompt: its scores are NaN). A malformed record raises a ValueError naming the field and the fix. `names`: the
+    detector's class names (GenEval's 80 COCO ones; the Shapes world's detectors name its shapes)."""
     if not isinstance(meta, dict):
         raise ValueError(f"{where} is a {type(meta).__name__}; pass a dict (a GenEval record or {{}})")
     if "tag" not in meta and "include" not in meta:
@@ -154,9 +159,9 @@ def parse_record(meta: Any, where: str) -> Record | None:
                     f"relation one of {RELATIONS}; e.g. ['left of', 0]"
                 )
             position = (position[0], position[1])
-        include.append(Requirement(_name(entry["class"], at), _count(entry["count"], at), color, position))
+        include.append(Requirement(_name(entry["class"], at, names), _count(entry["count"], at), color, position))
     exclude = tuple(
-        (_name(e["class"], f"{where}.exclude[{j}]"), _count(e["count"], f"{where}.exclude[{j}]"))
+        (_name(e["class"], f"{where}.exclude[{j}]", names), _count(e["count"], f"{where}.exclude[{j}]"))
         for j, e in enumerate(_entries(meta.get("exclude", []), f"{where}.exclude", ("class", "count"), False))
     )
     return Record(tag, tuple(include), exclude)
@@ -254,10 +259,13 @@ def box_iou(a: Any, b: Any) -> float:
     return inter / union if union else 0
 
 
-def keep_objects(labels: Any, scores: Any, boxes: Any, tag: str, thresholds: Thresholds) -> Objects:
+def keep_objects(
+    labels: Any, scores: Any, boxes: Any, tag: str, thresholds: Thresholds, names: tuple[str, ...] = OBJECT_NAMES
+) -> Objects:
     """Per class name, the indices of the detections that count, highest score first (L229-244): scores above the
     threshold (the counting threshold for `counting` prompts), at most `max_objects` per class, then greedy
     suppression of those overlapping a kept one at IoU >= `max_overlap` (none at 1). Classes with none are absent.
+    `labels` index `names`, the detector's class names (GenEval's 80 COCO ones by default).
 
     Scores compare in float32, as GenEval's float32 arrays do; equal scores keep numpy's default argsort order,
     reversed, as GenEval's do.
@@ -275,7 +283,7 @@ def keep_objects(labels: Any, scores: Any, boxes: Any, tag: str, thresholds: Thr
             if thresholds.max_overlap >= 1 or all(box_iou(boxes[k], boxes[i]) < thresholds.max_overlap for k in kept):
                 kept.append(i)
         if kept:
-            objects[OBJECT_NAMES[label]] = kept
+            objects[names[label]] = kept
     return objects
 
 

@@ -5,6 +5,11 @@ random places, one random size per scene, never overlapping. Prompts read "<coun
 e.g. "two red circles". Eight of the 36 combinations are held out of the model's training (`HELD_OUT`);
 every pair of attribute values still appears in training, so the held-out set tests composition.
 
+GenEval's two-object and position tasks have families of their own (`PairSpec`): two different shapes, each of its
+own colour, "a red circle and a blue square" and "a red circle left of a blue square" (relations: left of, right of,
+above, below). Their splits hold out whole pairs of objects (`pair_heldout`); the exact checker grades them by GenEval's
+rules (rewards/toy_geneval.py, docs/toy.md#geneval-families).
+
 Images are float32 tensors [3, H, W] in [0, 1]. Shapes are drawn from signed distances with one pixel of
 anti-aliasing (coverage = clamp(0.5 - distance, 0, 1)), so rendering is exact and fast in numpy.
 """
@@ -68,10 +73,73 @@ HELD_OUT = (
     ShapeSpec(3, "yellow", "triangle"),
 )
 TRAIN = tuple(s for s in ALL_SPECS if s not in HELD_OUT)
+
+# ---- GenEval's two-object and position families ------------------------------------------------------------------
+
+FAMILIES = ("two_object", "position")
+RELATIONS = ("left of", "right of", "above", "below")  # GenEval's, read as "the first object lies ... the second"
+PAIR_GRAMMAR = (
+    "'a <colour> <shape> and a <colour> <shape>' (two_object) or 'a <colour> <shape> <relation> a <colour> <shape>' "
+    "(position), relation in {left of, right of, above, below}, two different shapes, e.g. 'a red circle left of a "
+    "blue square'"
+)
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """Two objects of different shapes, each (colour, shape); with a relation, where the first lies relative to the
+    second (GenEval's position task), without one GenEval's two-object task."""
+
+    first: tuple[str, str]
+    second: tuple[str, str]
+    relation: str | None = None
+
+    @property
+    def family(self) -> str:
+        return "two_object" if self.relation is None else "position"
+
+    @property
+    def items(self) -> list[tuple[str, str]]:
+        return [self.first, self.second]
+
+    @property
+    def prompt(self) -> str:
+        link = "and" if self.relation is None else self.relation
+        return f"a {' '.join(self.first)} {link} a {' '.join(self.second)}"
+
+    @property
+    def record(self) -> dict:
+        """GenEval's metadata record of the prompt (a line of its evaluation_metadata.jsonl): one object of each shape
+        in its colour; for position the reference object first and the placed one second with `position: [relation,
+        0]`, as GenEval writes them. Nothing is excluded, as in GenEval's two-object and position records."""
+        first, second = ({"class": shape, "count": 1, "color": colour} for colour, shape in self.items)
+        include = [first, second] if self.relation is None else [second, {**first, "position": [self.relation, 0]}]
+        return {"tag": self.family, "include": include, "exclude": [], "prompt": self.prompt}
+
+
+def pair_heldout(spec: PairSpec) -> bool:
+    """Whether a pair is held out: the sum of its four attribute indices (colours and shapes) divides by 4. That holds
+    out 12 of the 48 unordered pairs, in either order and every relation; each object, each pair of colours and each
+    pair of shapes still occurs in training, so the held-out pairs test composition."""
+    indices = [COLOURS.index(c) + SHAPES.index(s) for c, s in spec.items]
+    return sum(indices) % 4 == 0
+
+
+_OBJECTS = tuple(itertools.product(COLOURS, SHAPES))
+_PAIRS = tuple((a, b) for a in _OBJECTS for b in _OBJECTS if a[1] != b[1])  # ordered, two different shapes
+PAIR_SPECS = {
+    "two_object": tuple(PairSpec(a, b) for a, b in _PAIRS),
+    "position": tuple(PairSpec(a, b, r) for a, b in _PAIRS for r in RELATIONS),
+}
 SPLITS = {"train": TRAIN, "heldout": HELD_OUT, "all": ALL_SPECS}
+for _family, _specs in PAIR_SPECS.items():
+    SPLITS[f"{_family}_train"] = tuple(s for s in _specs if not pair_heldout(s))
+    SPLITS[f"{_family}_heldout"] = tuple(s for s in _specs if pair_heldout(s))
+for _part in ("train", "heldout"):
+    SPLITS[f"geneval_{_part}"] = SPLITS[f"two_object_{_part}"] + SPLITS[f"position_{_part}"]
 
 
-def split_specs(split: str) -> tuple[ShapeSpec, ...]:
+def split_specs(split: str) -> tuple[ShapeSpec | PairSpec, ...]:
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is unknown; use one of {', '.join(SPLITS)}")
     return SPLITS[split]
@@ -90,6 +158,27 @@ def parse_prompt(prompt: str) -> ShapeSpec:
         if shape in SHAPES and (count > 1) == (words[2] != shape):
             return ShapeSpec(count, words[1], shape)
     raise ValueError(f"prompt {prompt!r} is outside the Shapes grammar: {GRAMMAR}")
+
+
+def parse_pair_prompt(prompt: str) -> PairSpec:
+    """'a red circle left of a blue square' -> PairSpec(('red', 'circle'), ('blue', 'square'), 'left of'); anything
+    outside `PAIR_GRAMMAR` raises ValueError."""
+    words = prompt.strip().lower().split()
+    link = " ".join(words[3:-3])
+    if (
+        len(words) in (7, 8)
+        and words[0] == words[-3] == "a"
+        and (link == "and" or link in RELATIONS)
+        and {words[1], words[-2]} <= set(COLOURS)
+        and {words[2], words[-1]} <= set(SHAPES)
+    ):
+        if words[2] == words[-1]:
+            raise ValueError(
+                f"prompt {prompt!r} names one shape twice; name two different shapes (GenEval's rules give each "
+                "object the best detection of its class, so two objects of one class would compete for one)"
+            )
+        return PairSpec((words[1], words[2]), (words[-2], words[-1]), None if link == "and" else link)
+    raise ValueError(f"prompt {prompt!r} is outside the Shapes world's GenEval families: {PAIR_GRAMMAR}")
 
 
 def _place(rng: np.random.Generator, count: int, extent: float, size: int) -> list[tuple[float, float]] | None:
@@ -126,8 +215,10 @@ def _scene(spec: ShapeSpec, rng: np.random.Generator, size: int) -> list[tuple[f
         radius *= 0.9
 
 
-def render(spec: ShapeSpec, seed: int, size: int = IMAGE_SIZE) -> torch.Tensor:
+def render(spec: ShapeSpec | PairSpec, seed: int, size: int = IMAGE_SIZE) -> torch.Tensor:
     """One scene [3, size, size] float32 in [0, 1]; the same (spec, seed) always gives the same image."""
+    if isinstance(spec, PairSpec):
+        return render_pair(spec, seed, size)
     rng = np.random.default_rng(seed)
     ys, xs = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5  # pixel centres, [size, size]
     coverage = np.zeros((size, size))
@@ -138,6 +229,37 @@ def render(spec: ShapeSpec, seed: int, size: int = IMAGE_SIZE) -> torch.Tensor:
     background = np.asarray(BACKGROUND_RGB)[:, None, None]
     image = background * (1 - coverage) + colour * coverage  # [3, size, size]
     return torch.from_numpy(image.astype(np.float32))
+
+
+def _place_related(
+    rng: np.random.Generator, relation: str, extent: float, size: int
+) -> list[tuple[float, float]] | None:
+    """Centres [first, second] with the first in `relation` to the second, clearly: apart along the relation's axis
+    by at least half as much again as across it (so no other relation of GenEval's holds), and as far apart as
+    `_place` keeps shapes; None after 200 tries."""
+    lo, hi = extent + 0.5, size - extent - 0.5
+    axis, sign = {"left of": (0, -1), "right of": (0, 1), "above": (1, -1), "below": (1, 1)}[relation]
+    for _ in range(200):
+        first, second = rng.uniform(lo, hi, size=2), rng.uniform(lo, hi, size=2)
+        along, across = sign * (first[axis] - second[axis]), abs(first[1 - axis] - second[1 - axis])
+        if along > 0 and across <= along / 2 and math.hypot(*(first - second)) >= 2 * extent + 1.5:
+            return [(float(first[0]), float(first[1])), (float(second[0]), float(second[1]))]
+    return None
+
+
+def render_pair(spec: PairSpec, seed: int, size: int = IMAGE_SIZE) -> torch.Tensor:
+    """The scene [3, size, size] of a GenEval-family prompt: its two objects, one radius per scene as `render` draws
+    them, placed at random for two_object (`render_items`) and in the prompt's relation for position."""
+    if spec.relation is None:
+        return render_items(spec.items, seed, size)
+    rng = np.random.default_rng(seed)
+    radius = rng.uniform(3.5, 6.0) * size / IMAGE_SIZE
+    while True:
+        extent = radius * max(1.25 if shape == "triangle" else 1.2 for _, shape in spec.items)
+        centres = _place_related(rng, spec.relation, extent, size)
+        if centres is not None:
+            return _paint(spec.items, centres, radius, size)
+        radius *= 0.9
 
 
 def render_batch(specs: list[ShapeSpec], seeds: list[int], size: int = IMAGE_SIZE) -> torch.Tensor:
@@ -230,8 +352,7 @@ def render_items(
         if colour not in COLOURS or shape not in SHAPES:
             raise ValueError(f"item ({colour!r}, {shape!r}) is unknown; colours are {COLOURS}, shapes {SHAPES}")
     rng = np.random.default_rng(seed)
-    ys, xs = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5  # pixel centres, [size, size]
-    coverage = {colour: np.zeros((size, size)) for colour, _ in items}  # one coverage map per colour
+    radius, centres = 0.0, []
     if items:
         radius = rng.uniform(3.5, 6.0) * size / IMAGE_SIZE
         centres = None
@@ -239,10 +360,23 @@ def render_items(
             extent = radius * max(1.25 if shape == "triangle" else 1.2 for _, shape in items)
             centres = _place(rng, len(items), extent, size)
             radius = radius if centres is not None else radius * 0.9
-        for i, ((colour, shape), (cx, cy)) in enumerate(zip(items, centres)):
-            strength, scale = (faint[1], faint[2]) if faint is not None and faint[0] == i else (1.0, 1.0)
-            alpha = np.clip(0.5 - _signed_distance(shape, xs - cx, ys - cy, radius * scale), 0.0, 1.0)
-            coverage[colour] = np.maximum(coverage[colour], strength * alpha)
+    return _paint(items, centres, radius, size, faint)
+
+
+def _paint(
+    items: list[tuple[str, str]],
+    centres: list[tuple[float, float]],
+    radius: float,
+    size: int,
+    faint: tuple[int, float, float] | None = None,
+) -> torch.Tensor:
+    """The scene [3, size, size] of `items` at `centres` [(x, y)], all of one `radius` (`render_items`' drawing)."""
+    ys, xs = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5  # pixel centres, [size, size]
+    coverage = {colour: np.zeros((size, size)) for colour, _ in items}  # one coverage map per colour
+    for i, ((colour, shape), (cx, cy)) in enumerate(zip(items, centres)):
+        strength, scale = (faint[1], faint[2]) if faint is not None and faint[0] == i else (1.0, 1.0)
+        alpha = np.clip(0.5 - _signed_distance(shape, xs - cx, ys - cy, radius * scale), 0.0, 1.0)
+        coverage[colour] = np.maximum(coverage[colour], strength * alpha)
     background = np.asarray(BACKGROUND_RGB)[:, None, None]  # [3, 1, 1]
     total = sum(coverage.values(), np.zeros((size, size)))  # shapes never overlap, so this is at most 1
     image = background * (1 - total) + sum(

@@ -60,6 +60,14 @@ CONTRACT_PROMPTS: dict[str, list[str]] = {
     "toy_attributes": ["two red circles", "one blue square", "three green triangles"],
     "toy_artifact": ["two red circles", "one blue square", "three green triangles"],
     "toy_exact": ["two red circles", "one blue square", "three green triangles"],
+    **dict.fromkeys(
+        ("toy_geneval", "toy_geneval_exact"),
+        [
+            "a red circle and a blue square",
+            "a green triangle left of a red square",
+            "a yellow square above a blue circle",
+        ],
+    ),
 }
 
 

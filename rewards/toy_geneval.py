@@ -1,5 +1,5 @@
-"""toy_geneval and toy_geneval_exact: GenEval's rules (rewards/_geneval_rules.py) over the Shapes world's detections, for
-its two-object and position prompts ("a red circle and a blue square", "a red circle left of a blue square").
+"""toy_geneval and toy_geneval_exact: GenEval's rules (rewards/_geneval_rules.py) over the Shapes world's detections,
+for its two-object and position prompts ("a red circle and a blue square", "a red circle left of a blue square").
 
 Each sample's GenEval record (`tag`, `include`, `exclude`, `prompt`) is its metadata's when that holds one, else the
 record its prompt's grammar gives (flowrl/toy/world.py `PairSpec.record`); either way it goes through GenEval's record
@@ -35,7 +35,8 @@ SCORES = ("partial", "strict", "correct")
 
 
 def toy_records(prompts: list[str], metadata: list[dict[str, Any]] | None, who: str) -> list[rules.Record]:
-    """Each sample's GenEval record, parsed by GenEval's parser with the world's shapes as classes (module docstring)."""
+    """Each sample's GenEval record, parsed by GenEval's parser with the world's shapes as class names (module
+    docstring)."""
     from flowrl.toy.world import SHAPES, parse_pair_prompt
 
     metadata = metadata if metadata is not None else [{} for _ in prompts]

@@ -2,12 +2,12 @@
 
 This module owns all sigma / timestep / log-prob arithmetic of flowrl; samplers
 loop over steps and call it, trainers re-score stored transitions with it. Conventions
-(docs/math.md#sigma-time-convention): `x_σ = (1 − σ)·x0 + σ·ε`, σ = 1 is pure noise, σ = 0 is data, the model predicts the velocity
-`v ≈ E[ε − x0 | x_σ]`, and a sampling grid runs `1 = σ_0 > σ_1 > … > σ_T = 0`. Every step and every
+(docs/math.md#sigma-time-convention): `x_σ = (1 − σ)·x0 + σ·ε`, σ = 1 is pure noise, σ = 0 is data, the model predicts
+the velocity `v ≈ E[ε − x0 | x_σ]`, and a sampling grid runs `1 = σ_0 > σ_1 > … > σ_T = 0`. Every step and every
 log-prob is computed in float32, whatever the dtype of the network (docs/math.md#precision).
 
 Contents
-  schedules      shift_sigmas, calculate_shift, flux2_shift, scheduler_sigmas, timesteps_from_sigmas, dance_sigmas
+  timesteps      timesteps_from_sigmas (the sigma grids themselves: flowrl/schedules.py)
   estimates      x0_from_velocity, noise_from_velocity
   steps          sde_std, sde_step (kinds "ode", "flow_grpo", "dance", "cps"); divergence: gaussian_kl
   re-scoring     StepRule, transition_stds, rescore_transition (what trainers call on stored transitions)
@@ -17,10 +17,8 @@ Contents
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 KINDS = ("ode", "flow_grpo", "dance", "cps")
@@ -30,185 +28,7 @@ KL_FORMS = ("code", "paper")
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
-# ---- Schedules -------------------------------------------------------------------------------------------------------
-
-# FlowMatchEulerDiscreteScheduler's constructor arguments and their defaults (diffusers 0.35 - 0.42).
-_SCHEDULER_DEFAULTS: dict[str, object] = {
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "use_dynamic_shifting": False,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-    "invert_sigmas": False,
-    "shift_terminal": None,
-    "use_karras_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_beta_sigmas": False,
-    "time_shift_type": "exponential",
-    "stochastic_sampling": False,  # changes diffusers' step, never its sigmas
-}
-_UNSUPPORTED_SCHEDULER_KEYS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
-_SCHEDULER_CLASS = "FlowMatchEulerDiscreteScheduler"
-
-
-def shift_sigmas(sigmas: torch.Tensor | Sequence[float], shift: float) -> torch.Tensor:
-    """Static SD3 timestep shift `s·σ / (1 + (s − 1)·σ)` (docs/math.md#sigma-grids), elementwise, float32.
-
-    `shift` > 1 moves the grid towards the noise end; shift(0) = 0 and shift(1) = 1 for any s > 0.
-    """
-    if not shift > 0:
-        raise ValueError(f"shift={shift} must be > 0 (SD3.5 uses 3.0, Wan 5.0; 1.0 means no shift)")
-    sigmas = torch.as_tensor(sigmas, dtype=torch.float32)
-    return shift * sigmas / (1 + (shift - 1) * sigmas)
-
-
-def calculate_shift(
-    image_seq_len: int,
-    base_seq_len: int = 256,
-    max_seq_len: int = 4096,
-    base_shift: float = 0.5,
-    max_shift: float = 1.15,
-) -> float:
-    """FLUX's dynamic-shift exponent μ, linear in the number of image tokens.
-
-    μ = base_shift at `base_seq_len` tokens and max_shift at `max_seq_len` tokens (extrapolated outside);
-    the same arithmetic as diffusers' FLUX pipeline, so the float is identical.
-    """
-    if max_seq_len == base_seq_len:
-        raise ValueError(f"max_seq_len={max_seq_len} equals base_seq_len: give two different token counts")
-    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    intercept = base_shift - slope * base_seq_len
-    return image_seq_len * slope + intercept
-
-
-def flux2_shift(image_seq_len: int, num_steps: int) -> float:
-    """FLUX.2's dynamic-shift exponent μ (fitted by Black Forest Labs): lines in the token count at 10 and at 200 steps,
-    joined by a line in the step count; above 4,300 tokens the 200-step line alone (diffusers' arithmetic, same float)."""
-    at_200 = 0.00016927 * image_seq_len + 0.45666666
-    if image_seq_len > 4300:
-        return float(at_200)
-    at_10 = 8.73809524e-05 * image_seq_len + 1.89833333
-    per_step = (at_200 - at_10) / 190.0
-    return float(per_step * num_steps + (at_200 - 200.0 * per_step))
-
-
-def _scheduler_settings(config: Mapping, allow_inverted: bool) -> dict:
-    """Merge `config` over the scheduler defaults and refuse what `scheduler_sigmas` does not reproduce.
-
-    A multistep-solver config (DPM-Solver, UniPC: it has `use_flow_sigmas` / `flow_shift`) with
-    `use_flow_sigmas=True`, as SANA and Wan checkpoints ship, is read as the Euler config with
-    shift=flow_shift; any other scheduler class is refused.
-    """
-    class_name = config.get("_class_name")
-    solver_config = "use_flow_sigmas" in config or "flow_shift" in config
-    if solver_config and not config.get("use_flow_sigmas"):
-        raise ValueError(
-            "scheduler config use_flow_sigmas is off: this DPM-Solver/UniPC config is not a flow-matching schedule; "
-            f"pass a {_SCHEDULER_CLASS} config"
-        )
-    if class_name not in (None, _SCHEDULER_CLASS) and not solver_config:
-        raise ValueError(
-            f"scheduler config _class_name={class_name!r} is not supported: flowrl reproduces {_SCHEDULER_CLASS} "
-            f"only; pass a {_SCHEDULER_CLASS} config (e.g. shift=<the flow_shift of {class_name}>)"
-        )
-    settings = dict(_SCHEDULER_DEFAULTS)
-    settings.update({key: value for key, value in config.items() if key in _SCHEDULER_DEFAULTS})
-    if solver_config:
-        settings["shift"] = float(config.get("flow_shift") or 1.0)
-    for key in _UNSUPPORTED_SCHEDULER_KEYS:
-        if settings[key]:
-            raise ValueError(f"scheduler config {key}={settings[key]!r} is not supported: set it to False")
-    if settings["time_shift_type"] not in ("exponential", "linear"):
-        raise ValueError(
-            f"scheduler config time_shift_type={settings['time_shift_type']!r} is unknown: use 'exponential' or 'linear'"
-        )
-    if settings["invert_sigmas"] and not allow_inverted:
-        raise ValueError(
-            "scheduler config invert_sigmas=True gives an inverted (Mochi) grid ending at 1, not flowrl's σ-time: "
-            "set it to False, or pass allow_inverted=True to get diffusers' inverted sigmas anyway"
-        )
-    if not int(settings["num_train_timesteps"]) >= 1:
-        raise ValueError(f"scheduler config num_train_timesteps={settings['num_train_timesteps']} must be >= 1")
-    return settings
-
-
-def scheduler_sigmas(
-    config: Mapping,
-    num_steps: int,
-    *,
-    sigmas: Sequence[float] | None = None,
-    mu: float | None = None,
-    allow_inverted: bool = False,
-) -> torch.Tensor:
-    """The sigmas [T+1] (float32, CPU, last element 0) of diffusers' FlowMatchEulerDiscreteScheduler.
-
-    Equals `FlowMatchEulerDiscreteScheduler.from_config(config)` followed by
-    `set_timesteps(num_steps, sigmas=sigmas, mu=mu)`, then `.sigmas`, bit for bit, without building the
-    scheduler. Reproduced: the static shift, dynamic shifting (`use_dynamic_shifting`, `time_shift_type`
-    "exponential" or "linear", which needs `mu`, e.g. `calculate_shift(image_seq_len)`), `shift_terminal`,
-    and custom `sigmas` (FLUX pipelines pass `np.linspace(1, 1/T, T)`). Diffusers' default grid is spaced
-    linearly from 1 to shift(1/num_train_timesteps) and then shifted again (docs/math.md#sigma-grids); with dynamic
-    shifting the spacing runs from 1 to 1/num_train_timesteps. Karras, exponential and beta sigmas raise a
-    ValueError; keys that do not change sigmas (`_class_name` aside) are ignored.
-
-    SANA and Wan checkpoints ship DPM-Solver / UniPC configs (`use_flow_sigmas=True`, `flow_shift`); such a
-    config gives the Euler grid above with shift = flow_shift (and its dynamic-shift / shift_terminal keys),
-    which is the grid flowrl's Euler and SDE samplers walk. It is close to, not equal to, those solvers' own
-    grids (UniPC starts at 1 − 1e-6, DPM-Solver at shift(1 − 1/N)); a config without flow sigmas raises.
-
-    Keyword-only extras:
-      allow_inverted: accept `invert_sigmas=True` and return diffusers' inverted grid `1 − σ` with a trailing
-        1 (Mochi); refused by default because such a grid does not end at σ = 0.
-    """
-    settings = _scheduler_settings(config, allow_inverted)
-    if not (isinstance(num_steps, (int, np.integer)) and num_steps >= 1):
-        raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1")
-    if settings["use_dynamic_shifting"] and mu is None:
-        raise ValueError(
-            "mu=None but the scheduler config has use_dynamic_shifting=True: pass mu=calculate_shift(image_seq_len)"
-        )
-    if sigmas is not None and len(sigmas) != num_steps:
-        raise ValueError(f"sigmas has {len(sigmas)} values but num_steps={num_steps}: pass one sigma per step")
-    if settings["shift_terminal"] and num_steps == 1:
-        raise ValueError(
-            "num_steps=1 with scheduler config shift_terminal set gives NaN sigmas (0/0): use num_steps >= 2"
-        )
-
-    num_train = int(settings["num_train_timesteps"])
-    shift = settings["shift"]
-
-    if sigmas is None:
-        # The constructor's training grid is σ_j = j/N (float32); its ends, shifted unless shifting is dynamic,
-        # bound the inference grid, which is then spaced in float64 (as numpy's linspace of python floats).
-        ends = torch.tensor([num_train, 1], dtype=torch.float32) / num_train  # [2]
-        if not settings["use_dynamic_shifting"]:
-            ends = shift * ends / (1 + (shift - 1) * ends)
-        sigma_max, sigma_min = (float(value) for value in ends)
-        grid = np.linspace(sigma_max * num_train, sigma_min * num_train, num_steps) / num_train  # [T] float64
-    else:
-        grid = np.array(sigmas).astype(np.float32)  # [T]; the arithmetic below then stays in float32
-
-    if settings["use_dynamic_shifting"]:
-        if settings["time_shift_type"] == "exponential":
-            scale = math.exp(mu)
-        else:
-            scale = mu
-        grid = scale / (scale + (1 / grid - 1))
-    else:
-        grid = shift * grid / (1 + (shift - 1) * grid)
-
-    if settings["shift_terminal"]:
-        # Stretch so that the last value equals shift_terminal (LTX-Video).
-        one_minus = 1 - grid
-        stretch = one_minus[-1] / (1 - settings["shift_terminal"])
-        grid = 1 - one_minus / stretch
-
-    result = torch.from_numpy(np.asarray(grid)).to(torch.float32)  # [T]
-    if settings["invert_sigmas"]:
-        return torch.cat([1.0 - result, torch.ones(1)])  # [T+1]
-    return torch.cat([result, torch.zeros(1)])  # [T+1]
+# ---- Timesteps -------------------------------------------------------------------------------------------------------
 
 
 def timesteps_from_sigmas(sigmas: torch.Tensor, num_train_timesteps: int = 1000) -> torch.Tensor:
@@ -219,15 +39,7 @@ def timesteps_from_sigmas(sigmas: torch.Tensor, num_train_timesteps: int = 1000)
     return torch.as_tensor(sigmas, dtype=torch.float32) * num_train_timesteps
 
 
-def dance_sigmas(num_steps: int, shift: float, sigma_max: float = 1.0) -> torch.Tensor:
-    """DanceGRPO / BranchGRPO grid [T+1]: `shift(linspace(σ_max, 0, T+1); s)` in float32 (docs/math.md#sigma-grids).
-    s = 3 for FLUX, 5 for HunyuanVideo, σ_max = 1 (< 1: adjoint matching's grid stops short of the singular σ = 1)."""
-    if not (isinstance(num_steps, (int, np.integer)) and num_steps >= 1) or not 0 < sigma_max <= 1:
-        raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1 and sigma_max={sigma_max!r} in (0, 1]")
-    return shift_sigmas(torch.linspace(sigma_max, 0, num_steps + 1), shift)  # [T+1]
-
-
-# ---- Clean-sample and noise estimates (exact identities of the linear interpolant, docs/math.md#sigma-time-convention) ---
+# ---- Clean-sample and noise estimates (exact identities of the linear interpolant, docs/math.md#sigma-time-convention)
 
 
 def _batch_view(value: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -293,7 +105,8 @@ def _as_float32(value: float | torch.Tensor, name: str, num_samples: int, device
     tensor = torch.as_tensor(value, dtype=torch.float32)
     if tensor.ndim > 1 or (tensor.ndim == 1 and tensor.shape[0] != num_samples):
         raise ValueError(
-            f"{name} has shape {tuple(tensor.shape)} but the batch has N={num_samples} samples: pass a float or a Tensor [N]"
+            f"{name} has shape {tuple(tensor.shape)} but the batch has N={num_samples} samples: pass a float or a "
+            "Tensor [N]"
         )
     return tensor.to(device) if tensor.ndim == 1 else tensor
 
@@ -503,7 +316,8 @@ def gaussian_kl(
     dt: float | torch.Tensor | None = None,
     reduce: str | None = None,
 ) -> torch.Tensor:
-    """KL(N(mean, s²) || N(ref_mean, s²)) per sample [N] (float32), in one of two normalizations (docs/math.md#kl-to-the-reference).
+    """KL(N(mean, s²) || N(ref_mean, s²)) per sample [N] (float32), in one of two normalizations
+    (docs/math.md#kl-to-the-reference).
 
     form="paper": `Σ_elements (μ − μ_ref)² / (2 s²)`, the true KL (s = the `std` returned by sde_step).
     form="code":  `mean_elements (μ − μ_ref)² / (2 g²)`, what flow_grpo computes and what the published β
@@ -520,7 +334,8 @@ def gaussian_kl(
         raise ValueError(f"reduce={reduce!r} is unknown: use 'mean', 'sum' or None (the form's own)")
     if mean.shape != ref_mean.shape:
         raise ValueError(
-            f"ref_mean has shape {tuple(ref_mean.shape)} but mean has {tuple(mean.shape)}: compute both on the same batch"
+            f"ref_mean has shape {tuple(ref_mean.shape)} but mean has {tuple(mean.shape)}: compute both on the same "
+            "batch"
         )
     if mean.ndim < 2:
         raise ValueError(f"mean has shape {tuple(mean.shape)}: means must be [N, ...] with at least one non-batch dim")

@@ -8,10 +8,13 @@ A sample's three random streams hang off its own seed `s`:
     initial noise      torch.Generator().manual_seed(s)           (the diffusers pipeline's latents for seed s)
     step noise         manual_seed(s + NOISE_STREAM)
     SDE window start   manual_seed(s + WINDOW_STREAM)
-    training noise     manual_seed(s + TRAIN_STREAM)              (NFT: its training times and their ε)
+    training noise     manual_seed(s + TRAIN_STREAM)              (NFT, RAM, AWM: its training times and their ε)
 A group's seed g is its first sample's seed, or with data.noise_pool = P the prompt's pooled seed number e mod P
 (e: how often the prompt was drawn before). A prompt group's candidate pool (the candidates sampler) hangs off g:
     pool seeds, then random selection draws    manual_seed(g + POOL_STREAM)
+
+A recipe's own draws that belong to a group or a step (DGPO's shared ε, GDRO's times, Adv-GRPO's references and
+reward-model draws) have their named functions below.
 
 The fixed measurements outside training (held-out accuracy, benches) and the scripts that made the shipped toy
 weights take their seeds from the named functions at the end.
@@ -26,6 +29,7 @@ NOISE_STREAM = 1 << 32  # offset between a sample's latent seed and its step-noi
 WINDOW_STREAM = 2 * NOISE_STREAM  # offset of the seed that places a sample's SDE window
 TRAIN_STREAM = 3 * NOISE_STREAM  # offset of the seed of a sample's training-time draws (forward-process recipes)
 POOL_STREAM = 4 * NOISE_STREAM  # offset of the seed of a prompt group's candidate pool
+RM_STREAM = 0x5AD  # keeps Adv-GRPO's reward-model head and patch draws apart from every other stream
 POOL_OFFSET = 987_654_321  # keeps pooled group seeds (data.noise_pool) apart from the sample seeds of early steps
 OFFLINE_OFFSET = 123_456_789  # keeps offline pool seeds (GDRO) apart from the sample seeds of early steps
 
@@ -81,6 +85,36 @@ def offline_sample_seed(pool_seed: int, prompt_index: int, slot: int) -> int:
     return (pool_seed * 1_000_003 + OFFLINE_OFFSET + prompt_index * 10_007 + slot) % MAX_SEED
 
 
+# ---- a recipe's own draws that hang off (run seed, step, ...) rather than a sample's seed ----------------------------
+def dgpo_noise_generator(seed: int, step: int, epoch: int, j: int, group_id: int) -> torch.Generator:
+    """DGPO: the generator of the ε every sample of group `group_id` shares at time j of inner epoch `epoch` of step
+    `step` (the same on any process)."""
+    key = (seed * 1_000_003 + step * 100_003 + epoch * 1_009 + j * 101 + group_id * 7_919_993) % (2**62)
+    return torch.Generator().manual_seed(key + TRAIN_STREAM)
+
+
+def gdro_draw_generator(seed: int, step: int, j: int, group_id: int) -> torch.Generator:
+    """GDRO: the generator of group `group_id`'s training times and noises at draw j of step `step` (any process)."""
+    key = (seed * 1_000_003 + step * 100_003 + j * 1_009 + group_id * 7_919_993) % (2**62)
+    return torch.Generator().manual_seed(key + TRAIN_STREAM)
+
+
+def reference_key(seed: int, step: int, position: int) -> int:
+    """Adv-GRPO: the key that picks the reference image of the sample at `position` of step `step`'s global batch."""
+    return (seed * 1_000_003 + step * 10_007 + position) % (2**31)
+
+
+def rm_head_seed(seed: int) -> int:
+    """Adv-GRPO: the torch seed of its reward model's head initialisation (the same on every process)."""
+    return seed + RM_STREAM
+
+
+def rm_patch_generator(seed: int, version: int, purpose: int) -> torch.Generator:
+    """Adv-GRPO: the generator of the reward model's patch draws at head version `version` for `purpose` (0 scoring,
+    1 references, 2 generated samples of the RM step): the same on every process and on resume."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + version * 10_007 + purpose * 101 + RM_STREAM) % (2**62))
+
+
 # ---- fixed measurements and the shipped weights' scripts -------------------------------------------------------------
 def heldout_seeds(num_prompts: int, num_seeds: int) -> list[int]:
     """[P * S] the fixed seeds of the held-out measurements (`flowrl demo`'s before/after, `flowrl bench trainers` and
@@ -105,7 +139,8 @@ def judge_heldout_generator(seed: int) -> torch.Generator:
 
 
 def judge_impossible_generator(seed: int) -> torch.Generator:
-    """scripts/train_toy_judges.py: the impossible scenes (counts or colours the world never draws) it is measured on."""
+    """scripts/train_toy_judges.py: the impossible scenes (counts or colours the world never draws) it is measured
+    on."""
     return torch.Generator().manual_seed(seed + 2_000_000)
 
 

@@ -14,7 +14,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift as diffusers_calculate_shift
 
-from flowrl import sde
+from flowrl import schedules, sde
 
 STEP_COUNTS = (1, 4, 10, 28)
 STOCHASTIC_KINDS = ("flow_grpo", "dance", "cps")
@@ -42,7 +42,7 @@ def diffusers_sigmas(config, num_steps, sigmas=None, mu=None):
 
 
 def sd3_grid(num_steps=10):
-    return sde.scheduler_sigmas(SD35_CONFIG, num_steps)  # [T+1]
+    return schedules.scheduler_sigmas(SD35_CONFIG, num_steps)  # [T+1]
 
 
 # ------------------------------------------------------------------------------------------ schedules
@@ -52,7 +52,7 @@ def sd3_grid(num_steps=10):
 @pytest.mark.parametrize("config", [SD35_CONFIG, SANA_CONFIG, WAN_CONFIG], ids=["sd35", "sana", "wan"])
 def test_static_shift_schedule_matches_diffusers_bitwise(config, num_steps):
     reference = diffusers_sigmas(config, num_steps)
-    sigmas = sde.scheduler_sigmas(config, num_steps)
+    sigmas = schedules.scheduler_sigmas(config, num_steps)
     assert sigmas.dtype == torch.float32 and sigmas.shape == (num_steps + 1,)
     assert torch.equal(sigmas, reference.sigmas)
     assert torch.equal(sde.timesteps_from_sigmas(sigmas[:-1]), reference.timesteps)
@@ -63,9 +63,9 @@ def test_static_shift_schedule_matches_diffusers_bitwise(config, num_steps):
 @pytest.mark.parametrize("image_seq_len", [256, 1024, 4096])
 def test_flux_dynamic_schedule_matches_diffusers_bitwise(num_steps, image_seq_len):
     custom = np.linspace(1.0, 1 / num_steps, num_steps)  # what FluxPipeline passes
-    mu = sde.calculate_shift(image_seq_len)
+    mu = schedules.calculate_shift(image_seq_len)
     reference = diffusers_sigmas(FLUX_CONFIG, num_steps, sigmas=custom, mu=mu)
-    sigmas = sde.scheduler_sigmas(FLUX_CONFIG, num_steps, sigmas=custom, mu=mu)
+    sigmas = schedules.scheduler_sigmas(FLUX_CONFIG, num_steps, sigmas=custom, mu=mu)
     assert torch.equal(sigmas, reference.sigmas)
     assert torch.equal(sde.timesteps_from_sigmas(sigmas[:-1]), reference.timesteps)
 
@@ -87,7 +87,7 @@ def test_flux_dynamic_schedule_matches_diffusers_bitwise(num_steps, image_seq_le
 def test_other_scheduler_options_match_diffusers_bitwise(config, custom, mu, num_steps):
     custom_sigmas = list(np.linspace(1.0, 1 / num_steps, num_steps)) if custom else None
     reference = diffusers_sigmas(config, num_steps, sigmas=custom_sigmas, mu=mu)
-    assert torch.equal(sde.scheduler_sigmas(config, num_steps, sigmas=custom_sigmas, mu=mu), reference.sigmas)
+    assert torch.equal(schedules.scheduler_sigmas(config, num_steps, sigmas=custom_sigmas, mu=mu), reference.sigmas)
 
 
 @pytest.mark.parametrize("solver", ["UniPCMultistepScheduler", "DPMSolverMultistepScheduler"])
@@ -98,16 +98,16 @@ def test_flow_sigma_solver_configs_read_as_euler_with_their_flow_shift(solver):
     scheduler = getattr(diffusers, solver)(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
     config = dict(scheduler.config)
     reference = diffusers_sigmas({"shift": 5.0}, 10).sigmas
-    assert torch.equal(sde.scheduler_sigmas(config, 10), reference)
-    assert torch.equal(sde.scheduler_sigmas(config | {"_class_name": solver}, 10), reference)
+    assert torch.equal(schedules.scheduler_sigmas(config, 10), reference)
+    assert torch.equal(schedules.scheduler_sigmas(config | {"_class_name": solver}, 10), reference)
 
 
 def test_inverted_sigmas_only_on_request():
     config = {"shift": 3.0, "invert_sigmas": True}
     with pytest.raises(ValueError, match="invert_sigmas"):
-        sde.scheduler_sigmas(config, 8)
+        schedules.scheduler_sigmas(config, 8)
     reference = diffusers_sigmas(config, 8)
-    assert torch.equal(sde.scheduler_sigmas(config, 8, allow_inverted=True), reference.sigmas)
+    assert torch.equal(schedules.scheduler_sigmas(config, 8, allow_inverted=True), reference.sigmas)
 
 
 def test_sd3_shift3_test_vector_of_algorithms_0_1():
@@ -129,7 +129,7 @@ def test_sd3_grid_by_hand():
 
 
 def test_dance_grid_t16_by_hand():
-    sigmas = sde.dance_sigmas(16, 3.0)
+    sigmas = schedules.dance_sigmas(16, 3.0)
     # shift(1 − k/16; 3) = 3(16 − k) / (48 − 2k) exactly.
     exact = torch.tensor([3 * (16 - k) / (48 - 2 * k) for k in range(17)], dtype=torch.float64)
     assert sigmas.dtype == torch.float32 and sigmas.shape == (17,)
@@ -157,18 +157,18 @@ def test_dance_grid_t16_by_hand():
 
 
 def test_shift_sigmas_by_hand():
-    shifted = sde.shift_sigmas(torch.tensor([0.0, 0.25, 0.5, 1.0]), 3.0)
+    shifted = schedules.shift_sigmas(torch.tensor([0.0, 0.25, 0.5, 1.0]), 3.0)
     assert torch.allclose(shifted, torch.tensor([0.0, 0.5, 0.75, 1.0]), atol=1e-7, rtol=0)  # 0.75/1.5, 1.5/2
-    assert torch.equal(sde.shift_sigmas([0.3, 0.6], 1.0), torch.tensor([0.3, 0.6]))
+    assert torch.equal(schedules.shift_sigmas([0.3, 0.6], 1.0), torch.tensor([0.3, 0.6]))
 
 
 def test_calculate_shift_matches_flux_pipeline_and_hand_values():
-    assert sde.calculate_shift(256) == pytest.approx(0.5, abs=1e-12)
-    assert sde.calculate_shift(4096) == pytest.approx(1.15, abs=1e-12)
-    assert sde.calculate_shift(1024) == pytest.approx(0.5 + 0.65 * 768 / 3840, abs=1e-12)
+    assert schedules.calculate_shift(256) == pytest.approx(0.5, abs=1e-12)
+    assert schedules.calculate_shift(4096) == pytest.approx(1.15, abs=1e-12)
+    assert schedules.calculate_shift(1024) == pytest.approx(0.5 + 0.65 * 768 / 3840, abs=1e-12)
     for seq_len in (64, 256, 1024, 3600, 4096, 8192):
-        assert sde.calculate_shift(seq_len) == diffusers_calculate_shift(seq_len)
-    assert sde.calculate_shift(1024, 128, 2048, 0.3, 1.0) == diffusers_calculate_shift(1024, 128, 2048, 0.3, 1.0)
+        assert schedules.calculate_shift(seq_len) == diffusers_calculate_shift(seq_len)
+    assert schedules.calculate_shift(1024, 128, 2048, 0.3, 1.0) == diffusers_calculate_shift(1024, 128, 2048, 0.3, 1.0)
 
 
 def test_timesteps_from_sigmas():
@@ -179,18 +179,21 @@ def test_timesteps_from_sigmas():
 @pytest.mark.parametrize(
     "call, field",
     [
-        (lambda: sde.scheduler_sigmas({"use_karras_sigmas": True}, 4), "use_karras_sigmas"),
-        (lambda: sde.scheduler_sigmas({"use_beta_sigmas": True}, 4), "use_beta_sigmas"),
-        (lambda: sde.scheduler_sigmas({"_class_name": "DPMSolverMultistepScheduler"}, 4), "_class_name"),
-        (lambda: sde.scheduler_sigmas({"_class_name": "UniPCScheduler", "flow_shift": 3.0}, 4), "use_flow_sigmas"),
-        (lambda: sde.scheduler_sigmas({"_class_name": "DDIMScheduler"}, 4), "_class_name"),
-        (lambda: sde.scheduler_sigmas(FLUX_CONFIG, 4), "mu"),
-        (lambda: sde.scheduler_sigmas({"time_shift_type": "cosine"}, 4), "time_shift_type"),
-        (lambda: sde.scheduler_sigmas(SD35_CONFIG, 4, sigmas=[1.0, 0.5]), "sigmas"),
-        (lambda: sde.scheduler_sigmas(SD35_CONFIG, 0), "num_steps"),
-        (lambda: sde.scheduler_sigmas({"shift_terminal": 0.1}, 1), "shift_terminal"),
-        (lambda: sde.dance_sigmas(0, 3.0), "num_steps"),
-        (lambda: sde.shift_sigmas([0.5], 0.0), "shift"),
+        (lambda: schedules.scheduler_sigmas({"use_karras_sigmas": True}, 4), "use_karras_sigmas"),
+        (lambda: schedules.scheduler_sigmas({"use_beta_sigmas": True}, 4), "use_beta_sigmas"),
+        (lambda: schedules.scheduler_sigmas({"_class_name": "DPMSolverMultistepScheduler"}, 4), "_class_name"),
+        (
+            lambda: schedules.scheduler_sigmas({"_class_name": "UniPCScheduler", "flow_shift": 3.0}, 4),
+            "use_flow_sigmas",
+        ),
+        (lambda: schedules.scheduler_sigmas({"_class_name": "DDIMScheduler"}, 4), "_class_name"),
+        (lambda: schedules.scheduler_sigmas(FLUX_CONFIG, 4), "mu"),
+        (lambda: schedules.scheduler_sigmas({"time_shift_type": "cosine"}, 4), "time_shift_type"),
+        (lambda: schedules.scheduler_sigmas(SD35_CONFIG, 4, sigmas=[1.0, 0.5]), "sigmas"),
+        (lambda: schedules.scheduler_sigmas(SD35_CONFIG, 0), "num_steps"),
+        (lambda: schedules.scheduler_sigmas({"shift_terminal": 0.1}, 1), "shift_terminal"),
+        (lambda: schedules.dance_sigmas(0, 3.0), "num_steps"),
+        (lambda: schedules.shift_sigmas([0.5], 0.0), "shift"),
     ],
 )
 def test_schedule_bad_input_raises_one_line(call, field):
@@ -270,9 +273,9 @@ def test_zero_noise_level_is_the_diffusers_euler_step_exactly(kind):
     [
         sd3_grid(10),
         sd3_grid(28),
-        sde.dance_sigmas(16, 3.0),
+        schedules.dance_sigmas(16, 3.0),
         torch.linspace(1, 0, 6),
-        sde.scheduler_sigmas(FLUX_CONFIG, 6, sigmas=np.linspace(1, 1 / 6, 6), mu=1.15),
+        schedules.scheduler_sigmas(FLUX_CONFIG, 6, sigmas=np.linspace(1, 1 / 6, 6), mu=1.15),
     ],
     ids=["sd3_10", "sd3_28", "dance_16", "uniform_5", "flux_6"],
 )

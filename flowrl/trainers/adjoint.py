@@ -1,5 +1,6 @@
 """Adjoint Matching: reward fine-tuning as stochastic optimal control, as one recipe over the shared components. The
-math is in docs/math.md#adjoint-matching, the recipe and its published settings in docs/recipes/adjoint.md#adjoint-matching.
+math is in docs/math.md#adjoint-matching, the recipe and its published settings in
+docs/recipes/adjoint.md#adjoint-matching.
 
     flowrl train configs/toy/adjoint_matching.yaml
     accelerate launch scripts/train.py --config configs/sd3/adjoint_matching_imagereward.yaml
@@ -31,16 +32,19 @@ from flowrl import work
 from flowrl.config import RunConfig
 from flowrl.losses import adjoint_matching_loss
 from flowrl.registry import BALANCERS, REWARDS
+from flowrl.schedules import adjoint_loss_times, trainable_steps
 from flowrl.sde_memoryless import adjoint_residual, lean_adjoint
 from flowrl.seeds import adjoint_order_generator, step_generator
-from flowrl.sigma_range import trainable_steps
 from flowrl.training.clock import timed
 from flowrl.training.distributed import make_accelerator
 from flowrl.training.loop import step_metrics
 from flowrl.training.optim import OptimizerConfig
 from flowrl.types import Rollout, select_cond
 
-MEMORYLESS_SAMPLER = "sampler: {name: sde, kind: flow_grpo, noise_level: 1.4142135623730951, sigma_schedule: dance, sigma_shift: 1.0, sigma_max: 0.975}"
+MEMORYLESS_SAMPLER = (
+    "sampler: {name: sde, kind: flow_grpo, noise_level: 1.4142135623730951, sigma_schedule: dance, sigma_shift: 1.0, "
+    "sigma_max: 0.975}"
+)
 
 
 @dataclass
@@ -61,22 +65,6 @@ class AdjointMatchingConfig(OptimizerConfig):
     num_rollout_batches: int = 1
     """Rollouts are generated in this many chunks (bounds the sampler's activation memory)."""
     ema_every_n_steps: int = 1
-
-
-def loss_times(
-    sigmas: torch.Tensor,
-    below: float,
-    num_random: int,
-    generator: torch.Generator,
-    trainable: torch.Tensor | None = None,
-) -> list[int]:
-    """Grid indices k (σ_k > 0) trained this step: all with σ_k ≤ `below`, plus `num_random` of the others at random;
-    with `trainable` [T] bool (the times the model trains, flowrl.sigma_range), among those only."""
-    indices = [k for k in range(len(sigmas) - 1) if float(sigmas[k]) > 0 and (trainable is None or bool(trainable[k]))]
-    late = [k for k in indices if float(sigmas[k]) <= below]
-    early = [k for k in indices if float(sigmas[k]) > below]
-    picked = torch.randperm(len(early), generator=generator)[: min(num_random, len(early))].tolist()
-    return sorted(late + [early[i] for i in picked])
 
 
 def not_differentiable(names: list[str]) -> str:
@@ -102,13 +90,14 @@ class AdjointMatchingTrainer:
         the same (docs/recipes/compose.md). The guidance scale needs the model's family and is checked once it loads."""
         if "memoryless" not in kit.rollout_carries(sampler):
             return (
-                f"trainer: adjoint_matching needs the memoryless SDE on a grid that stops short of σ = 1, which sampler "
-                f"{sampler.name} with these settings is not; use {MEMORYLESS_SAMPLER}"
+                "trainer: adjoint_matching needs the memoryless SDE on a grid that stops short of σ = 1, which "
+                f"sampler {sampler.name} with these settings is not; use {MEMORYLESS_SAMPLER}"
             )
         if not BALANCERS.get(balancer.name).combines_rewards_linearly:
             return (
-                f"trainer: adjoint_matching regresses on the gradient of Σ_k w_k r_k and takes no advantages, so balancer "
-                f"{balancer.name} would not act: use balancer weighted_sum (the reward weights are the combination)"
+                "trainer: adjoint_matching regresses on the gradient of Σ_k w_k r_k and takes no advantages, so "
+                f"balancer {balancer.name} would not act: use balancer weighted_sum (the reward weights are the "
+                "combination)"
             )
         flat = [r.name for r in rewards if not REWARDS.get(r.name).differentiable]
         return not_differentiable(flat) if flat else None
@@ -181,7 +170,7 @@ class AdjointMatchingTrainer:
         # 4. Adjoint and 5. loss times (the same on every process: the step's own generator)
         tic = timed(acc.device)
         gen, trainable = step_generator(parts.cfg.seed, parts.step), trainable_steps(model, sigmas)
-        keep = loss_times(sigmas.cpu(), t.all_loss_times_below_sigma, t.num_random_loss_times, gen, trainable)
+        keep = adjoint_loss_times(sigmas.cpu(), t.all_loss_times_below_sigma, t.num_random_loss_times, gen, trainable)
         adjoints, v_base = self._adjoint(latents, sigmas, cond, -t.reward_multiplier * grad.detach(), keep)
 
         # 6. Optimise

@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 import flowrl.trainers.kit as kit
-from flowrl import work
+from flowrl import seeds, work
 from flowrl.config import RunConfig
 from flowrl.trainers.grpo import GRPOConfig, grpo_composition_error, grpo_optimise, grpo_parts
 from flowrl.training.adversarial import NAME, AdversarialConfig, AdversarialReward, References, schedule_step, validate
@@ -36,7 +36,8 @@ RM_GROUP = "adversarial_rm"  # the RM's head and Adam moments beside the weights
 class AdvGRPOConfig(GRPOConfig):
     clip_range: float = 1e-5  # Adv-GRPO (Flow-GRPO-Fast): 1e-5
     adversarial: AdversarialConfig = field(default_factory=AdversarialConfig)
-    """The adversarial reward model: backbone, references, schedule, head and its optimizer (keys train.adversarial.*)."""
+    """The adversarial reward model: backbone, references, schedule, head and its optimizer (keys
+    train.adversarial.*)."""
 
 
 class AdvGRPOTrainer:
@@ -87,7 +88,7 @@ class AdvGRPOTrainer:
         tic = timed(acc.device)
         images = exp.rollout.images  # [N, 3, H, W]
         index = exp.batch.global_index  # [N] places in the step's global batch
-        keys = [(parts.cfg.seed * 1_000_003 + parts.step * 10_007 + int(i)) % (2**31) for i in index.tolist()]
+        keys = [seeds.reference_key(parts.cfg.seed, parts.step, int(i)) for i in index.tolist()]
         refs, rows = self.references(exp.batch.prompts, keys, tuple(images.shape[-2:]))
         missing = torch.tensor([float(len(images) - len(rows))], device=acc.device)
         missing = int(acc.reduce(missing, "sum").item()) if acc.num_processes > 1 else int(missing.item())

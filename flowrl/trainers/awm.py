@@ -25,14 +25,13 @@ from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
 from flowrl.losses import AWM_WEIGHTINGS, awm_log_prob, awm_policy_loss, velocity_kl
-from flowrl.sigma_range import trainable_steps
+from flowrl.schedules import AWM_TIME_TYPES, awm_times, trainable_steps
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
 from flowrl.training.loop import RecipeConfig
 from flowrl.types import select_cond
 
 KL_EMA = "kl_ema"  # the adapter the EMA-KL term pulls toward; the trained one is "default"
-TIME_TYPES = ("discrete", "discrete_wo_init")
 
 
 @dataclass
@@ -42,7 +41,8 @@ class AWMConfig(RecipeConfig):
     """W(ℓ, t) of the flow-matching error ℓ: 'ghuber' (AWM's, (t/p)·((ℓ + 1e-10)^p − 1e-10^p) with p = ghuber_power),
     'huber', 'uniform', 't' or 't2' (flowrl.losses.awm_weighting)."""
     kl_coef: float = 1e-4
-    """β of mean((v_θ − v_ref)²), v_ref with the adapters off (AWM: 1e-4 PickScore, 1e-3 GenEval); 0 skips its forward."""
+    """β of mean((v_θ − v_ref)²), v_ref with the adapters off (AWM: 1e-4 PickScore, 1e-3 GenEval); 0 skips its
+    forward."""
     ema_kl_coef: float = 1.0
     """γ of mean((v_θ − v_kl_ema)²), the EMA-KL term (AWM `ema_beta`); 0 skips its forward."""
     ema_kl_decay: float = 0.3
@@ -54,7 +54,8 @@ class AWMConfig(RecipeConfig):
     clip_range: float = 1.0
     """c of the ratio clip; inactive while a step has one optimizer step (ρ ≡ 1)."""
     time_type: str = "discrete"
-    """'discrete': strata of the grid indices [0, int(T·fraction)); 'discrete_wo_init': [1, int(T·fraction)) (σ_0 out)."""
+    """'discrete': strata of the grid indices [0, int(T·fraction)); 'discrete_wo_init': [1, int(T·fraction)) (σ_0
+    out)."""
     num_train_timesteps: int = 6
     """K training times per sample and step, one in each of K strata."""
     timestep_fraction: float = 0.9
@@ -64,25 +65,6 @@ class AWMConfig(RecipeConfig):
 
 def one_optimizer_step(t: AWMConfig) -> bool:
     return t.num_inner_epochs * t.num_minibatches == t.gradient_accumulation_steps  # every ratio is then exactly 1
-
-
-def training_draws(generators, grid, shape, k, fraction, time_type, trainable=None):
-    """Per sample (one generator each) K grid indices, one uniform draw in each of K strata (bounds linspace(0, count,
-    K + 1) truncated; an empty one gives its bound) of the indices [lo, int(T·fraction)) that the model trains
-    (`trainable` [T] bool), lo = 0 'discrete' or 1 'discrete_wo_init'; then K noises of `shape`. [N, K], [N, K, *shape]"""
-    num_times = len(grid) - 1
-    candidates = torch.arange(
-        TIME_TYPES.index(time_type), min(int(num_times * fraction + 1e-6), num_times)
-    )  # lo = index
-    if trainable is not None:
-        candidates = candidates[trainable.cpu()[candidates]]
-    if len(candidates) == 0:
-        where = f"[{TIME_TYPES.index(time_type)}, int(T·{fraction})) of sampler.num_steps={num_times} ({time_type})"
-        raise ValueError(f"no grid time {where} is one the model trains: raise train.timestep_fraction or add steps")
-    bounds = torch.linspace(0, len(candidates), k + 1).long()
-    lower, width = bounds[:-1], bounds[1:] - bounds[:-1]
-    draws = [(torch.rand(k, generator=g), torch.randn((k, *shape), generator=g)) for g in generators]
-    return torch.stack([candidates[lower + (u * width).long()] for u, _ in draws]), torch.stack([e for _, e in draws])
 
 
 class AWMTrainer:
@@ -99,19 +81,24 @@ class AWMTrainer:
         the one-line reason and fix; the constructor raises the same (docs/recipes/compose.md)."""
         t = train if train is not None else cls.config_class()
         if "clean_endpoints" not in kit.rollout_carries(sampler):
-            return f"trainer: awm weights the flow-matching loss of clean endpoints, which sampler {sampler.name} lacks: use ode"
+            return (
+                f"trainer: awm weights the flow-matching loss of clean endpoints, which sampler {sampler.name} lacks: "
+                "use ode"
+            )
         if "affine_loss" in kit.balancer_needs(balancer) and not one_optimizer_step(t):
             return (
-                f"balancer {balancer.name} form=amortized needs a loss affine in the advantage, which awm's is with one "
-                "optimizer step per training step only (ρ ≡ 1): set train.gradient_accumulation_steps = num_minibatches"
+                f"balancer {balancer.name} form=amortized needs a loss affine in the advantage, which awm's is with "
+                "one optimizer step per training step only (ρ ≡ 1): set train.gradient_accumulation_steps = "
+                "num_minibatches"
             )
         return None
 
     def __init__(self, cfg: RunConfig, accelerator=None):
         t = cfg.train
-        if t.weighting not in AWM_WEIGHTINGS or t.time_type not in TIME_TYPES:
+        if t.weighting not in AWM_WEIGHTINGS or t.time_type not in AWM_TIME_TYPES:
             raise ValueError(
-                f"train.weighting={t.weighting!r} must be in {AWM_WEIGHTINGS}, time_type={t.time_type!r} in {TIME_TYPES}"
+                f"train.weighting={t.weighting!r} must be in {AWM_WEIGHTINGS}, time_type={t.time_type!r} in "
+                f"{AWM_TIME_TYPES}"
             )
         positive = (
             t.ghuber_power,
@@ -123,8 +110,9 @@ class AWMTrainer:
         )
         if min(positive) <= 0 or t.timestep_fraction > 1 or not 0 <= t.ema_kl_decay <= 1 or t.ema_kl_decay_ramp < 0:
             raise ValueError(
-                f"train.ghuber_power, adv_clip_max, advantage_max, clip_range, num_train_timesteps {positive[:-1]} must be > 0, "
-                f"timestep_fraction={t.timestep_fraction} in (0, 1], ema_kl_decay={t.ema_kl_decay} in [0, 1], ramp >= 0"
+                "train.ghuber_power, adv_clip_max, advantage_max, clip_range, num_train_timesteps "
+                f"{positive[:-1]} must be > 0, timestep_fraction={t.timestep_fraction} in (0, 1], "
+                f"ema_kl_decay={t.ema_kl_decay} in [0, 1], ramp >= 0"
             )
         if not cfg.model.use_lora:
             raise ValueError(
@@ -149,9 +137,7 @@ class AWMTrainer:
             exp.batch.seeds, "cpu", seed_formulas.TRAIN_STREAM
         )  # a sample's t and ε
         args = (tuple(x0.shape[1:]), t.num_train_timesteps, t.timestep_fraction, t.time_type)
-        times, noises = training_draws(
-            draws, sigmas, *args, trainable_steps(parts.model, sigmas)
-        )  # [N, K], [N, K, ...]
+        times, noises = awm_times(draws, sigmas, *args, trainable_steps(parts.model, sigmas))  # [N, K], [N, K, ...]
         metrics = exp.metrics | self._optimise(
             x0, sigmas, cond, exp.advantages, exp.per_reward, exp.keep, times, noises
         )
@@ -176,7 +162,8 @@ class AWMTrainer:
         return velocity_kl(v, other)
 
     def _old_log_probs(self, rows, x0, sigmas, cond, times, noises) -> torch.Tensor:
-        """log p_old [N, K]: θ's before the step's first optimizer step, at the items of samples `rows` (NaN elsewhere)."""
+        """log p_old [N, K]: θ's before the step's first optimizer step, at the items of samples `rows` (NaN
+        elsewhere)."""
         out = torch.full(times.shape, float("nan"), dtype=torch.float64, device=x0.device)
         for index in rows.to(x0.device).split(self.parts.local_n // self.parts.cfg.train.num_minibatches):
             for j in range(times.shape[1]):

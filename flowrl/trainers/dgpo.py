@@ -27,7 +27,7 @@ from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
 from flowrl.losses import dgpo_loss, dsm_loss, velocity_kl
-from flowrl.sigma_range import trainable_steps
+from flowrl.schedules import dgpo_times, trainable_steps
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
 from flowrl.training.loop import RecipeConfig
@@ -77,8 +77,7 @@ def group_order(group_ids: torch.Tensor, num_groups: int, generator: torch.Gener
 
 def group_noise(seed: int, step: int, epoch: int, j: int, group_id: int, shape) -> torch.Tensor:
     """The ε every sample of group `group_id` shares at time j of inner epoch `epoch` of step `step` (any process)."""
-    key = (seed * 1_000_003 + step * 100_003 + epoch * 1_009 + j * 101 + group_id * 7_919_993) % (2**62)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(key + seed_formulas.TRAIN_STREAM))
+    return torch.randn(shape, generator=seed_formulas.dgpo_noise_generator(seed, step, epoch, j, group_id))
 
 
 class DGPOTrainer:
@@ -169,14 +168,9 @@ class DGPOTrainer:
         parts, t = self.parts, self.parts.cfg.train
         acc, model, shape = parts.accelerator, parts.model, tuple(x0.shape[1:])
         gen, g = seed_formulas.step_generator(parts.cfg.seed, parts.step), parts.cfg.data.group_size
-        candidates = torch.arange(min(t.max_timestep_index, len(sigmas) - 2) + 1)
-        candidates = candidates[trainable_steps(model, sigmas)[candidates]]  # the σ the model trains
-        if len(candidates) == 0:
-            raise ValueError(
-                f"train.max_timestep_index={t.max_timestep_index}: no grid time up to it is one the model trains"
-            )
-        k = min(t.num_train_timesteps, len(candidates))
-        times = [candidates[torch.randperm(len(candidates), generator=gen)[:k]] for _ in range(t.num_inner_epochs)]
+        trainable, epochs = trainable_steps(model, sigmas), t.num_inner_epochs
+        times = dgpo_times(gen, sigmas, t.max_timestep_index, t.num_train_timesteps, epochs, trainable)  # [k] each
+        k = len(times[0])
         b = parts.cfg.data.num_prompts_per_step  # the step's groups: ids 0..B − 1 on every process
         orders = [group_order(group_ids, b, gen) for _ in range(t.num_inner_epochs)]
         gather, use_old = acc.gather if acc.num_processes > 1 else None, t.use_clip or t.use_ema_ref

@@ -29,6 +29,7 @@ from flowrl.config import RunConfig
 from flowrl.losses import GDRO_MODES, dsm_loss, gdro_implicit_reward, gdro_loss
 from flowrl.models.conditioning import encode_prompts
 from flowrl.samplers._rollout import resolve_size
+from flowrl.schedules import GDRO_TIME_DISTRIBUTIONS, gdro_times
 from flowrl.training.clock import timed
 from flowrl.training.distributed import make_accelerator
 from flowrl.training.loop import RecipeConfig, step_metrics
@@ -36,7 +37,7 @@ from flowrl.training.pool import build_pool
 from flowrl.training.prompts import load_prompt_records
 from flowrl.types import select_cond
 
-T_DISTRIBUTIONS, REDUCTIONS = ("uniform", "logit_normal"), ("mean", "sum")
+REDUCTIONS = ("mean", "sum")
 
 
 @dataclass
@@ -69,20 +70,6 @@ class GDROConfig(RecipeConfig):
     ema_decay: float = 0.99
 
 
-def draw_times(seed: int, step: int, j: int, group_id: int, count: int, shape, t: GDROConfig, sigma_range):
-    """`count` training times [count] and noises [count, *shape] of group `group_id` at draw j of step `step` (any
-    process): t from t_distribution, shifted, mapped onto the trained σ range [lo, hi]."""
-    key = (seed * 1_000_003 + step * 100_003 + j * 1_009 + group_id * 7_919_993) % (2**62)
-    gen = torch.Generator().manual_seed(key + seed_formulas.TRAIN_STREAM)
-    u = (
-        torch.rand(count, generator=gen)
-        if t.t_distribution == "uniform"
-        else torch.sigmoid(torch.randn(count, generator=gen))
-    )
-    u = t.time_shift * u / (1 + (t.time_shift - 1) * u)
-    return sigma_range[0] + (sigma_range[1] - sigma_range[0]) * u, torch.randn((count, *shape), generator=gen)
-
-
 class GDROTrainer:
     config_class = GDROConfig
     name = "gdro"
@@ -98,24 +85,27 @@ class GDROTrainer:
         each), else the one-line reason and fix; the constructor raises the same (docs/recipes/compose.md)."""
         carries = kit.rollout_carries(sampler)
         if "clean_endpoints" not in carries:
-            return f"trainer: gdro trains on a pool of clean endpoints, which sampler {sampler.name}'s rollouts lack: use ode"
+            return (
+                f"trainer: gdro trains on a pool of clean endpoints, which sampler {sampler.name}'s rollouts lack: use "
+                "ode"
+            )
         if "per_edge" in carries:
             return (
                 f"trainer: gdro's pool needs independent samples; sampler {sampler.name}'s share their edges: use ode"
             )
         if needs := kit.balancer_needs(balancer):
             return (
-                f"balancer {balancer.name} asks the trainer for {', '.join(sorted(needs))}, but gdro ranks the raw weighted "
-                "rewards and uses no advantage: use balancer weighted_sum (unused) with gdro"
+                f"balancer {balancer.name} asks the trainer for {', '.join(sorted(needs))}, but gdro ranks the raw "
+                "weighted rewards and uses no advantage: use balancer weighted_sum (unused) with gdro"
             )
         return None
 
     def __init__(self, cfg: RunConfig, accelerator=None):
         t, d = cfg.train, cfg.data
-        if t.mode not in GDRO_MODES or t.t_distribution not in T_DISTRIBUTIONS or t.reduce not in REDUCTIONS:
+        if t.mode not in GDRO_MODES or t.t_distribution not in GDRO_TIME_DISTRIBUTIONS or t.reduce not in REDUCTIONS:
             raise ValueError(
-                f"train.mode={t.mode!r} must be in {GDRO_MODES}, t_distribution={t.t_distribution!r} in {T_DISTRIBUTIONS}, "
-                f"reduce={t.reduce!r} in {REDUCTIONS}"
+                f"train.mode={t.mode!r} must be in {GDRO_MODES}, t_distribution={t.t_distribution!r} in "
+                f"{GDRO_TIME_DISTRIBUTIONS}, reduce={t.reduce!r} in {REDUCTIONS}"
             )
         listed = ", ".join(
             f"{k}={getattr(t, k)}" for k in ("beta", "time_shift", "num_train_timesteps", "pool_shard_prompts")
@@ -195,8 +185,11 @@ class GDROTrainer:
             norm = m * t.gradient_accumulation_steps * draws
             for j in range(draws):
                 count = 1 if t.share_noise else k
+                generators = [
+                    seed_formulas.gdro_draw_generator(seed, parts.step, j, int(g)) for g in group_ids[mb.rows]
+                ]
                 got = [
-                    draw_times(seed, parts.step, j, int(g), count, shape, t, sigma_range) for g in group_ids[mb.rows]
+                    gdro_times(draw, count, shape, t.t_distribution, t.time_shift, sigma_range) for draw in generators
                 ]
                 sigma = torch.cat([s for s, _ in got]).to(x0.device)  # [m·count]
                 noise = torch.cat([e for _, e in got]).to(x0)  # [m·count, ...]

@@ -32,8 +32,8 @@ import flowrl.trainers.kit as kit
 from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
+from flowrl.schedules import on_trainable_steps
 from flowrl.sde import StepRule
-from flowrl.sigma_range import on_trainable_steps
 from flowrl.trainers.ais import AISConfig, ais_coefficients
 from flowrl.trainers.guard import RatioControl, ratio_control_error
 from flowrl.trainers.transitions import (
@@ -70,14 +70,15 @@ class GRPOConfig(RecipeConfig):
     ais: AISConfig = field(default_factory=AISConfig)
     """Adaptive importance sampling of preview rollouts (keys train.ais.*; off by default)."""
     guard: bool = False
-    """GRPO-Guard: the ratio through RatioNorm, (ℓ_θ − ℓ_old + b)·s, and each transition's clipped loss divided by its Δσ
-    (docs/recipes/grpo.md#grpo-options-guard-and-ratio_control). Flow-GRPO SDE steps only; its published clip_range is
-    2e-6 to 4e-6 (the normalised log-ratio is small)."""
+    """GRPO-Guard: the ratio through RatioNorm, (ℓ_θ − ℓ_old + b)·s, and each transition's clipped loss divided by its
+    Δσ (docs/recipes/grpo.md#grpo-options-guard-and-ratio_control). Flow-GRPO SDE steps only; its published clip_range
+    is 2e-6 to 4e-6 (the normalised log-ratio is small)."""
     ratio_control: str = "clip"
     """'clip' (PPO's clipped ratio, ε = clip_range) or 'dppo' (Flow-DPPO: −A·ρ, masked where the old-to-current KL of
     the transition is >= dppo_kl_threshold and ρ moved the way A pushes it)."""
     dppo_kl_threshold: float = 1e-5
-    """τ of the dppo mask, on the KL of the transition Gaussians over their element count (UniRL's kl_mask_threshold)."""
+    """τ of the dppo mask, on the KL of the transition Gaussians over their element count (UniRL's
+    kl_mask_threshold)."""
 
 
 def grpo_composition_error(recipe: type, sampler, balancer, train=None) -> str | None:
@@ -97,7 +98,10 @@ def grpo_composition_error(recipe: type, sampler, balancer, train=None) -> str |
             "balancer.form=full"
         )
     if "per_sample_advantages" in needs and "per_edge" in carries:
-        return f"balancer {balancer.name} trains per-sample advantages; the {sampler.name} sampler's are per edge: use sampler sde"
+        return (
+            f"balancer {balancer.name} trains per-sample advantages; the {sampler.name} sampler's are per edge: use "
+            "sampler sde"
+        )
     return ratio_control_error(train, sampler.name, carries) if train is not None else None
 
 

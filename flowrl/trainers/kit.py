@@ -42,7 +42,7 @@ from flowrl import work
 from flowrl.config import ComponentConfig, RunConfig
 from flowrl.models import build_policy
 from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.sigma_range import check_trainable
+from flowrl.schedules import check_trainable
 from flowrl.training.clock import Clock, timed
 from flowrl.training.distributed import Sharding
 from flowrl.training.evaluation import TrainingEvaluation

@@ -33,7 +33,7 @@ from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
 from flowrl.losses import ADV_MODES, nft_loss, velocity_kl
-from flowrl.sigma_range import trainable_steps
+from flowrl.schedules import nft_times, trainable_steps
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
 from flowrl.training.loop import RecipeConfig, RecipeParts
@@ -48,7 +48,8 @@ class NFTConfig(RecipeConfig):
     nft_beta: float = 1.0
     """β of the implicit policies v± (DiffusionNFT `config.beta`: 1.0 single reward, 0.1 OCR and multi-reward)."""
     kl_coef: float = 1e-4
-    """Coefficient of mean((v_θ − v_ref)²), the reference being the adapters switched off (DiffusionNFT `train.beta`)."""
+    """Coefficient of mean((v_θ − v_ref)²), the reference being the adapters switched off (DiffusionNFT
+    `train.beta`)."""
     adv_clip_max: float = 5.0
     """A_max: advantages are clipped to ±A_max and mapped to r = A / (2·A_max) + 1/2."""
     adv_mode: str = "all"
@@ -68,7 +69,8 @@ class NFTConfig(RecipeConfig):
 
 
 def old_policy_decay(decay_type: int, optimizer_steps: int, cap: float | None = None) -> float:
-    """η of the soft update θ_old ← η·θ_old + (1 − η)·θ after `optimizer_steps` optimizer steps (docs/math.md#diffusionnft)."""
+    """η of the soft update θ_old ← η·θ_old + (1 − η)·θ after `optimizer_steps` optimizer steps
+    (docs/math.md#diffusionnft)."""
     i = optimizer_steps
     if decay_type == 0:
         return 0.0
@@ -77,27 +79,6 @@ def old_policy_decay(decay_type: int, optimizer_steps: int, cap: float | None = 
     if decay_type == 2:
         return 0.0 if i < 75 else min(0.0075 * (i - 75), 0.999 if cap is None else cap)
     raise ValueError(f"train.decay_type={decay_type} must be one of {DECAY_TYPES}")
-
-
-def training_times(
-    generators: list[torch.Generator], grid: torch.Tensor, fraction: float, trainable: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Per sample (one generator each), the grid indices trained on: the first int(T·fraction) of a random
-    permutation of the T grid times (sigmas[:-1], every time with σ > 0); with `trainable` [T] bool (the times the
-    model trains, flowrl.sigma_range), of those times only. Returns [N, K] int64."""
-    num_times = len(grid) - 1
-    candidates = torch.arange(num_times) if trainable is None else trainable.cpu().nonzero().flatten()  # [T']
-    if len(candidates) == 0:
-        raise ValueError(
-            f"sampler.num_steps={num_times}: no time of the rollout's grid is one the model trains (model.train_expert's "
-            "σ range); add steps or train the other expert"
-        )
-    k = int(len(candidates) * fraction + 1e-6)
-    if k < 1:
-        raise ValueError(
-            f"train.timestep_fraction={fraction} of {len(candidates)} trainable grid times trains no time; raise it"
-        )
-    return torch.stack([candidates[torch.randperm(len(candidates), generator=g)[:k]] for g in generators])
 
 
 def nft_parts(cfg: RunConfig, accelerator, recipe: type, teachers: tuple[str, ...] = ()) -> tuple[RecipeParts, float]:
@@ -163,7 +144,7 @@ def nft_optimise(
     for mb in optimizer_steps([torch.randperm(n, generator=gen) for _ in range(t.num_inner_epochs)], per_reward):
         if mb.epoch != epoch:  # each epoch's training times, [N, K] grid indices
             trainable = trainable_steps(model, sigmas)
-            epoch, times = mb.epoch, training_times(draws, sigmas, t.timestep_fraction, trainable)
+            epoch, times = mb.epoch, nft_times(draws, sigmas, t.timestep_fraction, trainable)
         rows, index = mb.rows, mb.index  # [b]
         x0_b, keep_b, per_reward_b = x0[index], keep[index].float(), per_reward[:, index]  # [b, ...], [b], [K, b]
         adv_b = grads.advantages(advantages[index], per_reward_b)  # [b]; MARBLE: Σ_k ᾱ_k A_k
@@ -217,9 +198,15 @@ class NFTTrainer:
         the one-line reason and fix; the constructor raises the same (docs/recipes/compose.md)."""
         t = train if train is not None else cls.config_class()
         if "clean_endpoints" not in kit.rollout_carries(sampler):
-            return f"trainer: nft trains on clean endpoints, which the rollouts of sampler {sampler.name} lack: use sampler ode"
+            return (
+                f"trainer: nft trains on clean endpoints, which the rollouts of sampler {sampler.name} lack: use "
+                "sampler ode"
+            )
         if "affine_loss" in kit.balancer_needs(balancer) and t.adv_mode != "all":
-            return f"balancer {balancer.name} form=amortized needs train.adv_mode='all' (r affine in A), not {t.adv_mode!r}"
+            return (
+                f"balancer {balancer.name} form=amortized needs train.adv_mode='all' (r affine in A), not "
+                f"{t.adv_mode!r}"
+            )
         return None
 
     def __init__(self, cfg: RunConfig, accelerator=None):

@@ -35,6 +35,7 @@ from flowrl import sde
 from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
 from flowrl.losses import ram_loss, ram_target
+from flowrl.schedules import ram_times
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
 from flowrl.training.loop import RecipeConfig
@@ -69,26 +70,6 @@ def old_policy_decay(step: int, ramp: float, cap: float) -> float:
     return min(ramp * step, cap)
 
 
-def training_draws(
-    generators: list[torch.Generator],
-    shape: tuple[int, ...],
-    k: int,
-    alpha: float,
-    sigma_range: tuple[float, float] = (0.0, 1.0),
-):
-    """Per sample (one generator each) its K training times t ~ p(t) ∝ t^α on (lo, hi] (inverse CDF
-    (lo^{α+1} + (hi^{α+1} − lo^{α+1})·u)^{1/(α+1)}, u on (0, 1]; [lo, hi] the model's trainable σ range, (0, 1] for
-    one-module models) and K noises. Returns times [N, K] float32 and noises [N, K, *shape]."""
-    lo, hi = sigma_range
-    low, high = lo ** (alpha + 1.0), hi ** (alpha + 1.0)
-    times, noises = [], []
-    for g in generators:
-        u = 1.0 - torch.rand(k, generator=g)  # (0, 1]
-        times.append((low + (high - low) * u).pow(1.0 / (alpha + 1.0)).clamp(lo, hi))  # clamp: rounding at the edges
-        noises.append(torch.randn((k, *shape), generator=g))
-    return torch.stack(times), torch.stack(noises)
-
-
 class RAMTrainer:
     config_class = RAMConfig
     name = "ram"
@@ -103,11 +84,14 @@ class RAMTrainer:
         the one-line reason and fix; the constructor raises the same (docs/recipes/compose.md). Any rollout with
         clean endpoints feeds RAM's regression: a tree's leaves and candidate pools' regenerated samples too."""
         if "clean_endpoints" not in kit.rollout_carries(sampler):
-            return f"trainer: ram regresses on clean endpoints, which the rollouts of sampler {sampler.name} lack: use sampler ode"
+            return (
+                f"trainer: ram regresses on clean endpoints, which the rollouts of sampler {sampler.name} lack: use "
+                "sampler ode"
+            )
         if "reward_gradients" in kit.balancer_needs(balancer):
             return (
-                f"balancer {balancer.name} balances per-reward gradients, which trainer ram does not take (one backward on "
-                "one advantage per sample): use trainer nft or grpo with it, or balancer gdpo with ram"
+                f"balancer {balancer.name} balances per-reward gradients, which trainer ram does not take (one "
+                "backward on one advantage per sample): use trainer nft or grpo with it, or balancer gdpo with ram"
             )
         return None
 
@@ -149,7 +133,7 @@ class RAMTrainer:
             exp.batch.seeds, "cpu", seed_formulas.TRAIN_STREAM
         )  # a sample's t and ε
         shape, sigma_range = tuple(x0.shape[1:]), parts.model.trainable_sigma_range()  # times on the trained side
-        times, noises = training_draws(draws, shape, t.num_loss_targets_per_sample, t.time_alpha, sigma_range)
+        times, noises = ram_times(draws, shape, t.num_loss_targets_per_sample, t.time_alpha, sigma_range)
         metrics = exp.metrics | self._optimise(x0, cond, exp.advantages, exp.keep, times, noises)
         decay = old_policy_decay(parts.step, t.old_decay_ramp, t.old_decay)
         parts.model.soft_update_adapter(OLD, "default", decay)

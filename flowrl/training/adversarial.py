@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flowrl.seeds import rm_head_seed, rm_patch_generator
 from flowrl.types import RewardOutput
 
 SCHEDULES = ("every_epoch", "every_k_epochs", "gate_ref_below_gen")
 TOY_BACKBONES = {"toy_attributes": "attributes", "toy_artifact": "artifact"}
 NAME = "adversarial"  # the reward's name among the run's rewards (reward/adversarial/mean)
-STREAM = 0x5AD  # seeds the head's initialisation and the patch draws apart from every other stream
 
 
 @dataclass
@@ -58,8 +58,8 @@ class AdversarialConfig:
     """Reward = cls_weight·h(CLS) + (1 − cls_weight)·mean h(patches)."""
     patch_loss_coef: float = 0.3
     normalize_in_update: bool = True
-    """Feed the head normalised features in the RM step as in scoring; false reproduces the released code (raw features in
-    the update, normalised ones in the reward)."""
+    """Feed the head normalised features in the RM step as in scoring; false reproduces the released code (raw features
+    in the update, normalised ones in the reward)."""
 
 
 def validate(a: AdversarialConfig) -> None:
@@ -125,16 +125,15 @@ def hinge_loss(real: torch.Tensor, fake: torch.Tensor, count: float | None = Non
 
 
 def preference_loss(logit_scale: torch.Tensor | float, cos_gen: torch.Tensor, cos_ref: torch.Tensor) -> torch.Tensor:
-    """Adversarial PickScore's RM loss per pair: −log softmax([ℓ·cos_ref, ℓ·cos_gen])_0 = softplus(ℓ·(cos_gen − cos_ref)),
-    the reference the preferred image (Bradley–Terry)."""
+    """Adversarial PickScore's RM loss per pair: −log softmax([ℓ·cos_ref, ℓ·cos_gen])_0 = softplus(ℓ·(cos_gen −
+    cos_ref)), the reference the preferred image (Bradley–Terry)."""
     return torch.nn.functional.softplus(logit_scale * (cos_gen - cos_ref))
 
 
 def patch_draw(seed: int, version: int, purpose: int, rows: int, num_tokens: int, num: int) -> torch.Tensor:
     """Patch indices [rows, num] drawn with replacement from 0..num_tokens−1, fixed by (seed, version, purpose):
     the same on every process and on resume."""
-    key = (seed * 1_000_003 + version * 10_007 + purpose * 101 + STREAM) % (2**62)
-    return torch.randint(num_tokens, (rows, num), generator=torch.Generator().manual_seed(key))
+    return torch.randint(num_tokens, (rows, num), generator=rm_patch_generator(seed, version, purpose))
 
 
 # ------------------------------------------------------------------------------------------ backbones
@@ -170,7 +169,8 @@ class DinoBackbone(nn.Module):
 
         if not os.path.isdir(model) and not is_hub_id(model):
             raise FileNotFoundError(
-                f"train.adversarial.backbone={model!r} is none of {', '.join(TOY_BACKBONES)}, a local folder or a hub id"
+                f"train.adversarial.backbone={model!r} is none of {', '.join(TOY_BACKBONES)}, a local folder or a "
+                "hub id"
             )
         with hub_errors(model, "train.adversarial.backbone"):
             self.model = Dinov2Model.from_pretrained(model)
@@ -221,7 +221,7 @@ class AdversarialReward:
         with torch.no_grad():
             width = self.backbone(torch.zeros(1, 3, 32, 32, device=accelerator.device)).shape[-1]
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + STREAM)
+            torch.manual_seed(rm_head_seed(seed))
             head = nn.Sequential(nn.Linear(width, a.hidden_size), nn.GELU(), nn.Linear(a.hidden_size, 1))
         self.head = head.to(accelerator.device, torch.float32)  # fp32 (the code's bf16 Adam loses precision)
         betas = (a.adam_beta1, a.adam_beta2)
@@ -338,7 +338,8 @@ class References:
     def __call__(
         self, prompts: list[str], keys: list[int], size: tuple[int, int]
     ) -> tuple[torch.Tensor | None, list[int]]:
-        """(references [M, 3, H, W] at `size`, the rows of `prompts` they belong to); `keys` [N] pick each row's image."""
+        """(references [M, 3, H, W] at `size`, the rows of `prompts` they belong to); `keys` [N] pick each row's
+        image."""
         images, rows = [], []
         for i, (prompt, key) in enumerate(zip(prompts, keys)):
             image = self._one(prompt, key, size)

@@ -8,11 +8,11 @@ import pytest
 import torch
 from dotted import set_dotted
 
-from flowrl import sde
+from flowrl import schedules, sde
 from flowrl.losses import adjoint_matching_loss
+from flowrl.schedules import adjoint_loss_times
 from flowrl.sde_memoryless import MEMORYLESS_NOISE_LEVEL, adjoint_residual, lean_adjoint, memoryless_diffusion
 from flowrl.trainers import build_config, build_trainer
-from flowrl.trainers.adjoint import loss_times
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -48,8 +48,9 @@ def test_memoryless_schedule_is_the_flow_grpo_step_with_a_sqrt2():
         memoryless_diffusion(1.0)
 
 
-# The grids the shipped configs use: AM's 40 uniform steps from σ = 0.975 (configs/sd3/adjoint_matching_imagereward.yaml)
-# and the toy recipe's 10 (configs/toy/adjoint_matching.yaml). Fine grids hid a coarse-grid bug here once.
+# The grids the shipped configs use: AM's 40 uniform steps from σ = 0.975
+# (configs/sd3/adjoint_matching_imagereward.yaml) and the toy recipe's 10 (configs/toy/adjoint_matching.yaml). Fine
+# grids hid a coarse-grid bug here once.
 SHIPPED_GRIDS = [(40, 0.975), (10, 0.975)]
 
 
@@ -61,7 +62,7 @@ def test_lean_adjoint_of_a_linear_field_matches_its_closed_form(num_steps, sigma
     torch.manual_seed(0)
     w = torch.tensor([[0.3, -0.5], [0.2, 0.1]])
     lam = 2.0
-    sigmas = sde.dance_sigmas(num_steps, 1.0, sigma_max)
+    sigmas = schedules.dance_sigmas(num_steps, 1.0, sigma_max)
     latents = torch.randn(3, num_steps + 1, 2)  # any states: a linear field's Jacobian does not depend on them
     y = torch.tensor([0.5, -1.0])
     terminal = lam * (latents[:, -1] - y)  # −λ·∇r
@@ -88,9 +89,9 @@ def gaussian_velocity(mu, s):
 
 
 def gaussian_adjoint_factor(tau: float, s: float, n: int = 20000) -> float:
-    """F(τ) = ã(τ)/ã(1) of the continuous lean adjoint for 1-D Gaussian data N(μ, s²): ln F = −∫_τ^1 (2·J(1 − t) + 1/t) dt
-    with J(σ) = (σ − (1 − σ)s²) / ((1 − σ)²s² + σ²) (the base velocity's slope), the 1/t part exact (ln τ), the
-    rest by Simpson's rule in float64."""
+    """F(τ) = ã(τ)/ã(1) of the continuous lean adjoint for 1-D Gaussian data N(μ, s²): ln F = −∫_τ^1 (2·J(1 − t) + 1/t)
+    dt with J(σ) = (σ − (1 − σ)s²) / ((1 − σ)²s² + σ²) (the base velocity's slope), the 1/t part exact (ln τ), the rest
+    by Simpson's rule in float64."""
     import math
 
     t = torch.linspace(tau, 1, 2 * n + 1, dtype=torch.float64)
@@ -111,7 +112,7 @@ def test_lean_adjoint_of_a_gaussian_base_follows_the_continuous_adjoint_on_the_s
     at the noise end) has the closed-form lean adjoint F(τ)·ã(1). At every grid index, including k = 0 where τ_0 =
     0.025 (the first-order Euler recursion's factor 1 − h/τ_0 is ≈ 0 there: −102% at k = 0, −59% at k = 1 on the
     40-step grid), the recursion stays within `tolerance` of it (measured: ≤ 0.1% on the 40-step grid)."""
-    sigmas = sde.dance_sigmas(num_steps, 1.0, sigma_max)
+    sigmas = schedules.dance_sigmas(num_steps, 1.0, sigma_max)
     latents = torch.randn(2, num_steps + 1, 1, generator=torch.Generator().manual_seed(0))
     terminal = torch.ones(2, 1)
     adjoints, _ = lean_adjoint(
@@ -126,7 +127,7 @@ def conditional_bias(velocity, base, lam, y, mu_star, s_star, n=40000, num_steps
     """{k: (largest regression coefficient of the AM residual on 1 and x_k, the residual's std)} at each trained grid
     index, for trajectories of the memoryless SDE of `velocity` started at the tilted marginal at σ_max."""
     g = torch.Generator().manual_seed(1)
-    sigmas = sde.dance_sigmas(num_steps, 1.0, sigma_max)
+    sigmas = schedules.dance_sigmas(num_steps, 1.0, sigma_max)
     x = (1 - sigma_max) * (mu_star + s_star * torch.randn(n, generator=g)) + sigma_max * torch.randn(n, generator=g)
     states = [x]
     for k in range(num_steps):
@@ -179,7 +180,7 @@ def test_loss_clips_each_term_and_divides_by_the_element_count():
 
 def test_loss_times_keep_every_late_time_and_draw_the_rest():
     sigmas = torch.linspace(0.975, 0, 41)  # AM's 40-step grid, h = 0.024375
-    times = loss_times(sigmas, 0.25, 10, torch.Generator().manual_seed(0))
+    times = adjoint_loss_times(sigmas, 0.25, 10, torch.Generator().manual_seed(0))
     late = [k for k in range(40) if float(sigmas[k]) <= 0.25]
     assert set(late) <= set(times) and len(times) == len(late) + 10
     assert all(float(sigmas[k]) > 0 for k in times) and times == sorted(times)

@@ -1,7 +1,7 @@
 """AWM (docs/recipes/awm.md) against numbers computed independently: the weighting W(ℓ, t) at hand-picked points, the
 policy loss and its gradient by hand in float64 (on policy ρ ≡ 1, off policy with the clip binding), the stratified
-training times of docs/recipes/awm.md#the-loss, the EMA-KL term and its anchor's update by hand; then the recipe: a toy step
-whose every ratio is exactly 1, a resume of the off-policy (two optimizer steps a step) path bit for bit, 2 gloo
+training times of docs/recipes/awm.md#the-loss, the EMA-KL term and its anchor's update by hand; then the recipe: a toy
+step whose every ratio is exactly 1, a resume of the off-policy (two optimizer steps a step) path bit for bit, 2 gloo
 processes = 1, a short run of configs/toy/awm.yaml, and one-line errors. The contract over every recipe
 (tests/trainers/test_trainer_contract.py) covers AWM's default step and resume as well."""
 
@@ -17,8 +17,9 @@ from test_trainer_contract import assert_same, toy_config, trainable
 
 import flowrl.trainers.kit as kit
 from flowrl.losses import awm_log_prob, awm_policy_loss, awm_weighting
+from flowrl.schedules import awm_times
 from flowrl.trainers import build_trainer
-from flowrl.trainers.awm import KL_EMA, training_draws
+from flowrl.trainers.awm import KL_EMA
 from flowrl.training.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
@@ -120,25 +121,25 @@ def test_training_times_are_one_per_stratum_of_the_rollout_grid():
     def generators():
         return [torch.Generator().manual_seed(s) for s in range(200)]
 
-    times, noises = training_draws(generators(), grid, (2, 3), 6, 0.9, "discrete_wo_init")
+    times, noises = awm_times(generators(), grid, (2, 3), 6, 0.9, "discrete_wo_init")
     assert times.shape == (200, 6) and noises.shape == (200, 6, 2, 3)
     strata = [{1}, {2, 3}, {4, 5}, {6, 7}, {8, 9}, {10, 11}]  # docs/recipes/awm.md#the-loss: T = 14, discrete_wo_init
     assert [set(times[:, j].tolist()) for j in range(6)] == strata  # every member drawn, nothing else
-    times, _ = training_draws(generators(), grid, (2, 3), 6, 0.9, "discrete")
+    times, _ = awm_times(generators(), grid, (2, 3), 6, 0.9, "discrete")
     assert [set(times[:, j].tolist()) for j in range(6)] == [{0, 1}, {2, 3}, {4, 5}, {6, 7}, {8, 9}, {10, 11}]
-    again, _ = training_draws(generators()[50:], grid, (2, 3), 6, 0.9, "discrete")
+    again, _ = awm_times(generators()[50:], grid, (2, 3), 6, 0.9, "discrete")
     assert torch.equal(times[50:], again)  # a sample's draws come from its own generator only
     trained = torch.arange(14) >= 6  # a model that trains σ_6..σ_13 only: strata of {6..11}
-    times, _ = training_draws(generators(), grid, (1,), 3, 0.9, "discrete", trained)
+    times, _ = awm_times(generators(), grid, (1,), 3, 0.9, "discrete", trained)
     assert [set(times[:, j].tolist()) for j in range(3)] == [{6, 7}, {8, 9}, {10, 11}]
     # more strata than times (AWM's code does the same): a stratum of width 0 takes its lower bound, a time repeats
-    times, _ = training_draws(generators(), grid, (1,), 7, 0.9, "discrete", trained)
+    times, _ = awm_times(generators(), grid, (1,), 7, 0.9, "discrete", trained)
     assert [set(times[:, j].tolist()) for j in range(7)] == [{6}, {6}, {7}, {8}, {9}, {10}, {11}]
     with pytest.raises(
         ValueError,
-        match=r"no grid time \[0, int\(T·0.9\)\) of sampler.num_steps=14 \(discrete\) is one the model trains",
+        match=r"train.timestep_fraction=0.9 of sampler.num_steps=14 \(discrete: from index 0\) leaves no training time",
     ):
-        training_draws(generators(), grid, (1,), 2, 0.9, "discrete", torch.arange(14) >= 12)
+        awm_times(generators(), grid, (1,), 2, 0.9, "discrete", torch.arange(14) >= 12)
 
 
 def awm_config(tmp_path, **overrides):

@@ -16,7 +16,7 @@ import torch
 
 import flowrl.trainers.grpo as grpo
 import flowrl.trainers.kit as kit
-from flowrl import sde
+from flowrl import schedules, sde
 from flowrl.losses import clipped_policy_loss
 from flowrl.trainers import GRPOConfig, build_trainer, compose, load_config
 from flowrl.trainers.guard import RatioControl, dppo_policy_loss, guard_log_ratio, guard_policy_loss
@@ -29,12 +29,12 @@ FLOW_GRPO_H_OVER_S = [0.057, 0.063, 0.104, 0.151, 0.212, 0.298, 0.430, 0.663, 1.
 
 
 def sd3_grid() -> torch.Tensor:
-    return sde.scheduler_sigmas({"shift": 3.0}, 10)  # SD3.5's shift-3 grid, T = 10
+    return schedules.scheduler_sigmas({"shift": 3.0}, 10)  # SD3.5's shift-3 grid, T = 10
 
 
 def one_step(k, n, d, shift, seed=0):
-    """A Flow-GRPO transition k of the SD3 grid drawn under v_old: (ξ, ℓ_θ, ℓ_old, μ_θ, μ_old, s, h) of v = v_old + shift·r,
-    all [n] or [n, d] float32."""
+    """A Flow-GRPO transition k of the SD3 grid drawn under v_old: (ξ, ℓ_θ, ℓ_old, μ_θ, μ_old, s, h) of v = v_old +
+    shift·r, all [n] or [n, d] float32."""
     gen = torch.Generator().manual_seed(seed)
     sigmas = sd3_grid()
     x, v_old, r, xi = (torch.randn(n, d, generator=gen) for _ in range(4))
@@ -48,7 +48,8 @@ def one_step(k, n, d, shift, seed=0):
 
 @pytest.mark.parametrize("k", range(9))
 def test_rationorm_is_the_noise_projection_of_the_mean_shift(k):
-    """(ℓ_θ − ℓ_old + b)·s == mean(ξ ⊙ (μ_θ − μ_old)) at every trained step of the SD3 grid (k = 0: the first-step rule)."""
+    """(ℓ_θ − ℓ_old + b)·s == mean(ξ ⊙ (μ_θ − μ_old)) at every trained step of the SD3 grid (k = 0: the first-step
+    rule)."""
     xi, lp, old_lp, mean, old_mean, std, _ = one_step(k, n=6, d=256, shift=0.3, seed=k)
     log_ratio, bias = guard_log_ratio(lp, old_lp, mean, old_mean, std)
     projection = (xi.double() * (mean.double() - old_mean.double())).mean(1)  # [n]
@@ -132,8 +133,8 @@ def test_guard_gradient_is_a_c_xi_over_d_at_every_noise_level_and_flow_grpo_carr
 
 
 def test_dppo_mask_truth_table():
-    """Dropped exactly where KL ≥ τ and the ratio moved the way A pushes it: 4 sign cases x KL below / above τ (and ρ = 1,
-    which is never dropped); dropped rows have loss 0 and no gradient, kept rows −A·ρ."""
+    """Dropped exactly where KL ≥ τ and the ratio moved the way A pushes it: 4 sign cases x KL below / above τ (and ρ =
+    1, which is never dropped); dropped rows have loss 0 and no gradient, kept rows −A·ρ."""
     rows = [(kl_high, up, a) for kl_high in (False, True) for up in (False, True, None) for a in (1.0, -1.0)]
     n, d, tau = len(rows), 8, 1e-3
     std = torch.ones(n)
@@ -177,7 +178,7 @@ def hand_step(v, x, x_next, sigma, sigma_next):
     return mean, std, log_density
 
 
-SIGMAS_TINY = sde.scheduler_sigmas({"shift": 3.0}, 4).tolist()  # T = 4: steps 0, 1, 2 stochastic and trained
+SIGMAS_TINY = schedules.scheduler_sigmas({"shift": 3.0}, 4).tolist()  # T = 4: steps 0, 1, 2 stochastic and trained
 
 
 def velocity(params, x, sigma):
@@ -207,7 +208,8 @@ ADVANTAGES = torch.tensor([1.0, -0.7, 0.4])
 
 
 def flowrl_loss(option, old, new, states, old_lps, clip_range, kl_threshold):
-    """The mean over samples and their transitions of the option's per-sample loss, through flowrl.sde and the losses."""
+    """The mean over samples and their transitions of the option's per-sample loss, through flowrl.sde and the
+    losses."""
     total = 0.0
     for k in range(3):
         sigma, sigma_next, x, x_next = SIGMAS_TINY[k], SIGMAS_TINY[k + 1], states[k], states[k + 1]
@@ -381,8 +383,8 @@ def test_on_policy_every_ratio_is_one_and_the_options_add_only_their_pass(tmp_pa
 
 
 def toy_gradient_run(tmp_path, option, shift):
-    """One toy GRPO step at learning rate 0 with a trained-looking adapter, samples 0 and 1's stored log-probs shifted by
-    ±shift (their ratios leave the clip band): (trainer, rollout, advantages, gradient at the optimizer step)."""
+    """One toy GRPO step at learning rate 0 with a trained-looking adapter, samples 0 and 1's stored log-probs shifted
+    by ±shift (their ratios leave the clip band): (trainer, rollout, advantages, gradient at the optimizer step)."""
     cfg = toy_config(
         tmp_path, option, "train.learning_rate=0.0", "train.kl_coef=0.0", "train.max_grad_norm=1e9", *OPTIONS[option]
     )

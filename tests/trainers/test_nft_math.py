@@ -8,7 +8,8 @@ import torch
 
 from flowrl import sde
 from flowrl.losses import nft_loss, nft_reward
-from flowrl.trainers.nft import old_policy_decay, training_times
+from flowrl.schedules import nft_times
+from flowrl.trainers.nft import old_policy_decay
 
 A = torch.tensor([-10.0, -5.0, -2.5, 0.0, 2.5, 5.0, 10.0])
 
@@ -161,12 +162,12 @@ def generators(seeds):
 
 def test_training_times_are_distinct_grid_indices_drawn_per_sample():
     grid = torch.linspace(1, 0, 11)  # T = 10
-    times = training_times(generators([1, 2, 3]), grid, 0.99)
+    times = nft_times(generators([1, 2, 3]), grid, 0.99)
     assert times.shape == (3, 9)  # int(10 x 0.99) = 9 of the 10 grid times
     for row in times.tolist():
         assert len(set(row)) == 9 and all(0 <= k < 10 for k in row)
     # a sample's draws depend on its own generator only, not on its batch-mates
-    alone = training_times(generators([2]), grid, 0.99)
+    alone = nft_times(generators([2]), grid, 0.99)
     assert torch.equal(alone[0], times[1])
     with pytest.raises(ValueError, match="train.timestep_fraction=0.05"):
-        training_times(generators([1]), grid, 0.05)
+        nft_times(generators([1]), grid, 0.05)

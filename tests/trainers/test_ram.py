@@ -12,8 +12,9 @@ import flowrl.trainers.kit as kit
 from flowrl import sde
 from flowrl.heldout import sample_images
 from flowrl.losses import ram_loss, ram_target
+from flowrl.schedules import ram_times
 from flowrl.trainers import build_config, build_trainer
-from flowrl.trainers.ram import OLD, old_policy_decay, training_draws
+from flowrl.trainers.ram import OLD, old_policy_decay
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -71,7 +72,7 @@ def test_target_sanity_lines_by_hand():
 def test_training_times_follow_p_t_proportional_to_t_alpha():
     generators = [torch.Generator().manual_seed(s) for s in range(400)]
     for alpha in (0.0, 1.0, 3.0):
-        times, noises = training_draws(generators, (2,), 50, alpha)
+        times, noises = ram_times(generators, (2,), 50, alpha)
         assert times.shape == (400, 50) and noises.shape == (400, 50, 2)
         assert 0 < float(times.min()) and float(times.max()) <= 1
         # E[t] = (α + 1) / (α + 2), E[t²] = (α + 1) / (α + 3) for the density (α + 1)·t^α on (0, 1]
@@ -110,7 +111,7 @@ def test_one_step_raises_the_likelihood_of_high_advantage_endpoints(tmp_path):
     advantages = torch.tensor([0.5, 0.5, 0.5, 0.5, -0.5, -0.5, -0.5, -0.5])
     before = flow_matching_loss(model, x0, cond)
     draws = [torch.Generator().manual_seed(10 + i) for i in range(8)]
-    times, noises = training_draws(draws, tuple(x0.shape[1:]), 8, 1.0)
+    times, noises = ram_times(draws, tuple(x0.shape[1:]), 8, 1.0)
     trainer.parts.local_n = 8
     trainer._optimise(x0, cond, advantages, torch.ones(8, dtype=torch.bool), times, noises)
     after = flow_matching_loss(model, x0, cond)

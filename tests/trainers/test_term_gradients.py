@@ -501,7 +501,8 @@ def plackett_luce(s: torch.Tensor, r: list[float], tau: float) -> torch.Tensor:
 
 
 def test_gdro_step_gradient_is_the_ranking_loss_plus_gamma_times_the_top_sample_s_matching_loss_by_hand(tmp_path):
-    from flowrl.trainers.gdro import draw_times
+    from flowrl.schedules import gdro_times
+    from flowrl.seeds import gdro_draw_generator
 
     settings = {"data.prompts": PROMPTS, "data.num_prompts_per_step": 2, "data.group_size": 3, "train.use_ema": False}
     settings |= {"train.pool_size": 4, "train.pool_shard_prompts": 2, "train.num_train_timesteps": 2}
@@ -519,7 +520,8 @@ def test_gdro_step_gradient_is_the_ranking_loss_plus_gamma_times_the_top_sample_
     assert all(len(set(row)) == k for row in rewards.tolist())  # distinct rewards: one ranking, a signal in every group
     terms, cond = {"ranking": 0.0, "regulariser": 0.0}, select_cond(cond, torch.arange(b).repeat_interleave(k))
     for j in range(t.num_train_timesteps):  # one (t, ε) per group and draw: the recipe's draws
-        draws = [draw_times(trainer.parts.cfg.seed, 0, j, int(g), 1, shape, t, (0.0, 1.0)) for g in group_ids]
+        generators = [gdro_draw_generator(trainer.parts.cfg.seed, 0, j, int(g)) for g in group_ids]
+        draws = [gdro_times(draw, 1, shape, t.t_distribution, t.time_shift, (0.0, 1.0)) for draw in generators]
         sigma = torch.cat([s for s, _ in draws]).repeat_interleave(k)  # [b·k]
         eps = f64(torch.cat([e for _, e in draws]).repeat_interleave(k, 0))
         x_t = noised(x0.flatten(0, 1), eps, sigma)

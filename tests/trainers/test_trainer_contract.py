@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import flowrl.trainers.kit as kit
 from flowrl.registry import BALANCERS
-from flowrl.sigma_range import TRAINS_ON
+from flowrl.schedules import TRAINS_ON
 from flowrl.trainers import TRAINERS, build_config, build_trainer
 from flowrl.training.checkpoint import load_checkpoint
 

@@ -10,7 +10,7 @@ import torch
 
 from flowrl.models import load_flow_model
 from flowrl.registry import SAMPLERS
-from flowrl.sigma_range import trainable_steps
+from flowrl.schedules import trainable_steps
 from flowrl.trainers import build_config, build_trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py

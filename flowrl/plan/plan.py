@@ -203,13 +203,16 @@ def _rewards(cfg) -> tuple[str, ...]:
 
 def micro_batch_rows(cfg, num_gpus: int, true_cfg: bool) -> int:
     """Rows of one backward on one GPU: the process's share of the step's samples (x the recipe's items per sample)
-    over the minibatches, doubled where GRPO trains with classifier-free guidance (both branches carry grad)."""
+    over the minibatches, doubled where the recipe trains with classifier-free guidance (its `cfg_doubles_train_rows`:
+    both branches carry grad) and the model runs true CFG at a guidance scale above 1."""
+    from flowrl.trainers import trainer_class
+
     t = cfg.train
     local = max(1, cfg.data.num_prompts_per_step * cfg.data.group_size // num_gpus)
     items = local * getattr(t, "num_loss_targets_per_sample", 1)
     rows = max(1, items // max(1, t.num_minibatches))
     guidance = cfg.sampler.kwargs.get("guidance_scale")
-    if cfg.trainer == "grpo" and true_cfg and guidance is not None and guidance > 1.0:
+    if trainer_class(cfg.trainer).cfg_doubles_train_rows and true_cfg and guidance is not None and guidance > 1.0:
         rows *= 2
     return rows
 
@@ -223,7 +226,9 @@ def memory_plan(cfg, geo: Geometry, num_gpus: int, sharding: str):
     from flowrl.models import parse_dtype
     from flowrl.models.lora import LoRAMixin
     from flowrl.plan import activations, archs, memory
+    from flowrl.trainers import trainer_class
 
+    recipe = trainer_class(cfg.trainer)  # what the recipe keeps beside the policy: its declarations
     arch = archs.get(geo.family)
     module = archs.build_transformer(arch)
     params = activations.param_count(module)
@@ -276,10 +281,8 @@ def memory_plan(cfg, geo: Geometry, num_gpus: int, sharding: str):
         checkpointing=cfg.model.use_gradient_checkpointing,
         weight_dtype=cfg.model.dtype,
         mixed_precision=cfg.model.mixed_precision,
-        reference_copy=not cfg.model.use_lora and cfg.trainer == "adjoint_matching",
-        adapter_copies=1
-        if cfg.trainer in ("nft", "ram", "awm", "dgpo") and cfg.model.use_lora
-        else 0,  # old / EMA adapter
+        reference_copy=not cfg.model.use_lora and recipe.full_reference_copy,
+        adapter_copies=recipe.adapter_copies if cfg.model.use_lora else 0,  # an old / EMA adapter beside the policy
         use_ema=bool(t.use_ema),
         frozen=_frozen(cfg, arch),
         sharding=sharding,

@@ -143,9 +143,9 @@ def _run_sample(args: argparse.Namespace) -> int:
 
 def run_training(config: str, overrides: list[str]) -> int:
     """Load a config and run its trainer in this process (under `accelerate launch`, in each process)."""
-    from flowrl.trainers import build_trainer, load_config
+    from flowrl.trainers import build_trainer, kit, load_config
 
-    build_trainer(load_config(config, overrides)).train()
+    kit.train(build_trainer(load_config(config, overrides)))
     return 0
 
 

@@ -48,7 +48,7 @@ def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> di
     from flowrl.report import build_report, hacking_rows, load_run
     from flowrl.report.hacking import near_misses
     from flowrl.report.heldout import HELDOUT_READS, heldout_tests
-    from flowrl.trainers import build_trainer, load_config
+    from flowrl.trainers import build_trainer, kit, load_config
 
     started = time.perf_counter()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -59,7 +59,7 @@ def run_demo(overrides: list[str] | None = None, output_dir: str = "runs") -> di
     steps, guidance, judge = cfg.eval.num_steps, cfg.eval.guidance_scale, judge_checkpoint(cfg)
     with trainer.parts.model.adapter_disabled():
         before = heldout_scores(trainer.parts.model, SUMMARY_SEEDS, steps, guidance, judge)
-    trainer.train()
+    kit.train(trainer)
     after = heldout_scores(trainer.parts.model, SUMMARY_SEEDS, steps, guidance, judge)
     reads = {"judge": "toy_attributes", "gold": "toy_exact", "before": before.pop("reads"), "after": after.pop("reads")}
     summary = {

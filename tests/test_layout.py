@@ -30,7 +30,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "flowrl.sde",
             "flowrl.sde_memoryless",
             "flowrl.schedules",
-            "flowrl.sigma_range",
             "flowrl.seeds",
             "flowrl.advantages",
             "flowrl.losses",
@@ -40,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "flowrl.hub",
             "flowrl.environment",
             "flowrl.work",
+            "flowrl.prompt_sets",
         ),
     ),
     ("toy world", ("flowrl.toy",)),  # the Shapes world: renderer, prompts, exact gold, judges, shipped weights
@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("held-out grading", ("flowrl.heldout",)),  # the toy world's held-out numbers (the panel's read names from reports)
     ("demo", ("flowrl.demo",)),  # `flowrl demo`: grades with flowrl.heldout and never imports a benchmark
     ("benchmarks", ("flowrl.bench",)),  # `flowrl bench ...`: may run the demo's config
-    ("commands", ("flowrl.cli", "flowrl.cli_rewards")),
+    ("commands", ("flowrl.cli", "flowrl.cli_rewards", "flowrl.cli_prompts")),
 ]
 LAYER = {name: (rank, title) for rank, (title, names) in enumerate(LAYERS) for name in names}
 
@@ -65,6 +65,7 @@ BUDGETS = {  # flowrl/trainers/kit.py carries the plumbing; GRPO's recipe, the r
         f"flowrl/trainers/{name}.py": RECIPE_BUDGET
         for name in ("nft", "ram", "awm", "dgpo", "gdro", "adjoint", "adv_grpo", "smopd")
     },
+    "flowrl/experimental/tagrpo.py": 400,  # experimental: its alignment math inline until it earns a recipe's budget
 }
 
 

@@ -316,7 +316,11 @@ def balancers_result(runs: dict, timing: dict | None, overrides: list[str], sett
             name: statistics.mean(v) if v else None for name, v in opposed.items() if name in balancers
         },
         "step_s": {name: statistics.median(r["step_s"] for r in by_seed.values()) for name, by_seed in runs.items()},
-        "offline_s": {name: _by_seed(s, lambda run: run["offline_s"]) for name, s in runs.items() if name == "smopd"},
+        "offline_s": {  # the runs with work done before their steps (SMOPD's teachers)
+            name: _by_seed(s, lambda run: run["offline_s"])
+            for name, s in runs.items()
+            if any(run["offline_s"] is not None for run in s.values())
+        },
         "alpha": {name: [r["alpha"] for r in s.values()] for name, s in balancers.items() if name.startswith("marble")},
         "fallbacks": {
             name: [r["fallbacks"] for r in s.values()] for name, s in balancers.items() if name.startswith("marble")

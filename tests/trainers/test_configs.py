@@ -96,6 +96,7 @@ OWN_METRIC = {  # a metric only the recipe's own stage 6 logs
     "adv_grpo": "train/rm_loss",
     "smopd": "train/distill_loss",
     "adjoint_matching": "train/grad_reward_norm",
+    "tagrpo": "train/tagrpo_bank_entries",
 }
 
 

@@ -4,7 +4,10 @@
     class MyTrainer:
         config_class = MyConfig                   # extends training.loop.RecipeConfig (optimizer, EMA, splits)
         name = "my"                               # its TRAINERS key; then what other modules read instead of names:
-        adapter_copies, full_reference_copy, cfg_doubles_train_rows, trains_on = 1, False, False, "endpoints"
+        adapter_copies = 1                        # LoRA adapters beside the policy (flowrl plan's memory)
+        full_reference_copy = False               # a frozen copy of the model without LoRA (`build_parts`)
+        cfg_doubles_train_rows = False            # training forwards carry both CFG branches with grad
+        trains_on = "endpoints"                   # or "stochastic_steps", "rollout_steps" (flowrl.schedules)
 
         def __init__(self, cfg, accelerator=None):
             ... validate cfg.train, raise self.composition_error(...) ...

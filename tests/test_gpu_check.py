@@ -33,8 +33,8 @@ DEVICE_IMAGE = set(
     markupsafe matplotlib mdurl ml-dtypes mpmath msgpack multidict networkx ninja numpy onnx onnxruntime
     opencv-python-headless packaging pandas pillow pip pluggy propcache protobuf psutil py-cpuinfo pygments pyparsing
     python-dateutil pyyaml regex requests rich safetensors scipy sentencepiece setuptools six sympy tensorboard
-    tensorboard-data-server timm tokenizers torch torchvision tqdm transformers triton typing-extensions urllib3 werkzeug
-    wheel yarl zipp""".split()
+    tensorboard-data-server timm tokenizers torch torchvision tqdm transformers triton typing-extensions urllib3
+    werkzeug wheel yarl zipp""".split()
 )
 ALIASES = {"httpx2": "httpx", "httpcore2": "httpcore"}  # this machine's builds of the image's packages
 MACHINE_EXTRAS = {"truststore"}  # what this machine's huggingface_hub 2.x imports (the image's 1.33 does not)

@@ -342,7 +342,7 @@ class Sampler(Protocol):
 
     def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor | None:
         """[T] bool: the steps of its grid for `model` that carry a trainable transition (the σ the model trains,
-        flowrl.sigma_range); with `stochastic_only`, only those some rollout draws stochastically. None where the grid
+        flowrl.schedules); with `stochastic_only`, only those some rollout draws stochastically. None where the grid
         is known only at run time (a pipeline scheduler). Raises where its own settings cannot meet the model's range
         (an SDE window that cannot lie on trained steps)."""
 

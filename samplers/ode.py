@@ -16,7 +16,7 @@ import torch
 from flowrl import sde
 from flowrl.registry import SAMPLERS
 from flowrl.samplers._rollout import integrate, resolve_size, start_rollout
-from flowrl.sigma_range import trainable_steps
+from flowrl.schedules import trainable_steps
 from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
 
 

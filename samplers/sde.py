@@ -18,9 +18,9 @@ import torch
 from flowrl import sde
 from flowrl.registry import SAMPLERS
 from flowrl.samplers._rollout import integrate, resolve_size, start_rollout
+from flowrl.schedules import describe, trainable_steps
 from flowrl.sde_memoryless import MEMORYLESS_NOISE_LEVEL
 from flowrl.seeds import NOISE_STREAM, sample_generators, window_start
-from flowrl.sigma_range import describe, trainable_steps
 from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
 
 
@@ -157,7 +157,7 @@ class SDESampler:
 
     def noise_levels(self, seeds: torch.Tensor, step: int = 0, trainable: torch.Tensor | None = None) -> torch.Tensor:
         """[N, T] noise level of each transition: the window's steps get `noise_level`, the rest 0 (Euler). `trainable`
-        [T] bool: the steps the model trains (flowrl.sigma_range; None = all): a window lies among them (without a
+        [T] bool: the steps the model trains (flowrl.schedules; None = all): a window lies among them (without a
         window every step but the last stays stochastic, the rollout's law, and a trainer trains the trainable ones)."""
         n, t = len(seeds), self.num_steps
         levels = torch.zeros(n, t, dtype=torch.float32)  # [N, T]

@@ -40,8 +40,8 @@ from flowrl import sde
 from flowrl.models.conditioning import encode_prompts
 from flowrl.registry import SAMPLERS
 from flowrl.samplers._rollout import batch_seeds, latent_seeds, resolve_size
+from flowrl.schedules import trainable_steps
 from flowrl.seeds import NOISE_STREAM, sample_generators
-from flowrl.sigma_range import trainable_steps
 from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn, select_cond
 
 SPLIT_LOG_PROBS = ("scaled", "unscaled")

@@ -17,6 +17,7 @@ import re
 
 import pytest
 
+import flowrl.trainers.kit as kit
 from flowrl.cli import main
 from flowrl.demo import CONFIG, HACKING_PAIRS, hacking_pairs
 from flowrl.heldout import judge_checkpoint
@@ -54,7 +55,7 @@ def short_run(tmp_path, name: str, reward: str) -> tuple:
     ]
     cfg = load_config(CONFIG, overrides)
     assert [r.name for r in cfg.eval.gold_rewards] == ["toy_exact", "toy_artifact"]  # the demo config's gold
-    build_trainer(cfg).train()
+    kit.train(build_trainer(cfg))
     return cfg, cfg.run_dir
 
 

@@ -133,7 +133,7 @@ def bench_rewards(repeats: int = 3, batch_size: int = 8, remote_batch_size: int 
     import torch
 
     from flowrl.registry import REWARDS
-    from flowrl.rewards._server import decode_request
+    from flowrl.serving.server import decode_request
     from flowrl.rewards._tiny import (
         BERT_BASE,
         BLIP_LARGE,

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from flowrl import sde
+from flowrl import schedules, sde
 from flowrl.registry import SAMPLERS
 from flowrl.samplers._rollout import integrate, resolve_size, start_rollout
 from flowrl.schedules import describe, trainable_steps
@@ -152,7 +152,7 @@ class SDESampler:
 
     def grid(self, model: FlowModel) -> torch.Tensor:
         if self.sigma_schedule == "dance":
-            return sde.dance_sigmas(self.num_steps, self.sigma_shift, self.sigma_max)
+            return schedules.dance_sigmas(self.num_steps, self.sigma_shift, self.sigma_max)
         return model.sigmas(self.num_steps, *resolve_size(self, model))
 
     def noise_levels(self, seeds: torch.Tensor, step: int = 0, trainable: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import torch
 
-from flowrl import sde
+from flowrl import schedules, sde
 from flowrl.models.conditioning import encode_prompts
 from flowrl.registry import SAMPLERS
 from flowrl.samplers._rollout import batch_seeds, latent_seeds, resolve_size
@@ -197,7 +197,7 @@ class TreeSampler:
 
     def grid(self, model: FlowModel) -> torch.Tensor:
         if self.sigma_schedule == "dance":
-            return sde.dance_sigmas(self.num_steps, self.sigma_shift)
+            return schedules.dance_sigmas(self.num_steps, self.sigma_shift)
         return model.sigmas(self.num_steps, *resolve_size(self, model))
 
     def trees(self, batch: PromptBatch) -> list[list[int]]:

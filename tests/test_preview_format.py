@@ -51,14 +51,18 @@ def loads(monkeypatch):
 @pytest.mark.parametrize("path", SOLRL)
 def test_explicit_nvfp4_on_a_hopper_is_refused_when_the_config_loads(path, fake_gpu, loads):
     fake_gpu((9, 0))
-    expected = r"preview_backend='nvfp4' needs torchao kernels on an sm_100\+ GPU; this run has an sm_90 GPU: use auto \(fp8 here\) or fp8$"
+    expected = (
+        r"preview_backend='nvfp4' needs torchao kernels on an sm_100\+ GPU; "
+        r"this run has an sm_90 GPU: use auto \(fp8 here\) or fp8$"
+    )
     with pytest.raises(ConfigError, match=expected):
         build_trainer(load_config(ROOT / path, overrides(path, "sampler.preview_backend=nvfp4+few_step")))
     assert loads == []  # refused before any model load (the trainer never started)
 
 
 @pytest.mark.parametrize(
-    "capability, chosen", [((9, 0), "fp8 on sm_90 (torchao kernels)"), ((8, 9), "fp8 on sm_89"), ((10, 0), "nvfp4 on sm_100")]
+    "capability, chosen",
+    [((9, 0), "fp8 on sm_90 (torchao kernels)"), ((8, 9), "fp8 on sm_89"), ((10, 0), "nvfp4 on sm_100")],
 )
 def test_auto_chooses_the_kernels_of_the_gpu_and_says_so(capability, chosen, fake_gpu, capsys):
     fake_gpu(capability)
@@ -82,10 +86,15 @@ def test_fp8_without_torchao_or_on_an_older_gpu_is_refused_when_the_config_loads
     fake_gpu((8, 0))  # an A100: no float8 kernels
     with pytest.raises(
         ConfigError,
-        match=r"'fp8' needs torchao kernels on an sm_89\+ GPU; this run has an sm_80 GPU: use auto \(fake_nvfp4 here\) or fake_fp8",
+        match=(
+            r"'fp8' needs torchao kernels on an sm_89\+ GPU; "
+            r"this run has an sm_80 GPU: use auto \(fake_nvfp4 here\) or fake_fp8"
+        ),
     ):
         load_config(ROOT / SOLRL[2], overrides(SOLRL[2], "sampler.preview_backend=fp8+few_step"))
-    with pytest.raises(ConfigError, match=r"'nvfp4' needs .* this run has the CPU: use auto \(fake_nvfp4 here\) or fake_nvfp4"):
+    with pytest.raises(
+        ConfigError, match=r"'nvfp4' needs .* this run has the CPU: use auto \(fake_nvfp4 here\) or fake_nvfp4"
+    ):
         load_config(ROOT / SOLRL[0], overrides(SOLRL[0], "device=cpu", "sampler.preview_backend=nvfp4"))
     assert loads == []
 

@@ -44,7 +44,12 @@ def test_a_grpo_step_counts_what_its_config_says(tmp_path):
 
 def test_classifier_free_guidance_doubles_the_rows_in_rollout_and_training(tmp_path):
     got, _ = step_work(
-        tmp_path, "grpo", *SMALL, "sampler.sde_window_size=2", "sampler.sde_window_range=[0,3]", "sampler.guidance_scale=2.0"
+        tmp_path,
+        "grpo",
+        *SMALL,
+        "sampler.sde_window_size=2",
+        "sampler.sde_window_range=[0,3]",
+        "sampler.guidance_scale=2.0",
     )
     n, steps, window = 8, 4, 2
     assert got["rollout/forward/policy"] == 2 * n * steps

@@ -5,7 +5,7 @@
 [klein] (Qwen3 text encoder) runs true CFG with two calls against the empty prompt, unless the checkpoint is
 step-distilled (`is_distilled` in its model_index.json), which ignores guidance as the pipeline does. Prompts are
 padded to `max_sequence_length` tokens by the pipeline itself, so every prompt has the same length. The σ grid is
-the pipeline's `linspace(1, 1/T, T)` with FLUX.2's empirical μ (`sde.flux2_shift`, which moves with T).
+the pipeline's `linspace(1, 1/T, T)` with FLUX.2's empirical μ (`schedules.flux2_shift`, which moves with T).
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ class Flux2FlowModel(PackedLatentsMixin, PipelineFlowModel):
         return np.linspace(1.0, 1 / num_steps, num_steps).tolist()
 
     def shift_mu(self, num_steps, height, width, num_frames=None) -> float:
-        from flowrl import sde
+        from flowrl import schedules
 
-        return sde.flux2_shift(self.image_seq_len(height, width), num_steps)
+        return schedules.flux2_shift(self.image_seq_len(height, width), num_steps)
 
     # ----------------------------------------------------------------------------------------- network
     def _forward(self, latents, timestep, guidance, embeds, img_ids):

@@ -2,8 +2,8 @@
 
 A family file (sd3.py, flux.py, flux2.py, sana.py, wan.py, wan_i2v.py, qwen_image.py, qwen_image_edit.py,
 z_image.py, ltx2.py) subclasses `PipelineFlowModel` and writes only what its pipeline does differently: how prompts
-are encoded, how latents are laid out, how the transformer is called and how latents decode. Time arithmetic comes
-from `flowrl.sde`.
+are encoded, how latents are laid out, how the transformer is called and how latents decode. Time grids come from
+`flowrl.schedules`, timesteps from `flowrl.sde`.
 """
 
 from __future__ import annotations
@@ -157,20 +157,20 @@ class PipelineFlowModel(LoRAMixin, AutocastMixin):
 
     # ----------------------------------------------------------------------------------------- time
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
-        from flowrl import sde
+        from flowrl import schedules
 
         if num_steps < 1:
             raise ValueError(f"num_steps={num_steps} must be >= 1")
         config = self.pipe.scheduler.config
         mu = self.shift_mu(num_steps, height, width, num_frames) if config.get("use_dynamic_shifting", False) else None
-        return sde.scheduler_sigmas(config, num_steps, sigmas=self.custom_sigmas(num_steps), mu=mu)
+        return schedules.scheduler_sigmas(config, num_steps, sigmas=self.custom_sigmas(num_steps), mu=mu)
 
     def shift_mu(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> float:
         """The dynamic-shift μ the pipeline hands its scheduler (FLUX.1's, linear in the token count, by default)."""
-        from flowrl import sde
+        from flowrl import schedules
 
         config = self.pipe.scheduler.config
-        return sde.calculate_shift(
+        return schedules.calculate_shift(
             self.image_seq_len(height, width, num_frames),
             config.get("base_image_seq_len", 256),
             config.get("max_image_seq_len", 4096),

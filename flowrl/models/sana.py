@@ -29,9 +29,9 @@ class SanaFlowModel(PipelineFlowModel):
         self.scheduler_config = _flow_euler_config(pipe.scheduler.config)
 
     def sigmas(self, num_steps, height, width, num_frames=None):
-        from flowrl import sde
+        from flowrl import schedules
 
-        return sde.scheduler_sigmas(self.scheduler_config, num_steps)
+        return schedules.scheduler_sigmas(self.scheduler_config, num_steps)
 
     def _encode_batch(self, prompts: list[str], negative_prompt: str | None) -> Cond:
         cfg = negative_prompt is not None

@@ -29,7 +29,7 @@ import torch
 from flowrl import work
 from flowrl.models.lora import LoRAMixin
 from flowrl.models.precision import AutocastMixin
-from flowrl.sde import scheduler_sigmas
+from flowrl.schedules import scheduler_sigmas
 from flowrl.toy.manifest import weights_or_checkpoint
 from flowrl.toy.world import COLOURS, COUNTS, IMAGE_SIZE, SHAPES, parse_prompt
 from flowrl.types import Cond

@@ -8,7 +8,7 @@ import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from test_adapters import PROMPTS, SEEDS, batch, ode, pipeline_call
 
-from flowrl import sde
+from flowrl import schedules
 from flowrl.models import load_flow_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as in test_adapters.py
@@ -17,16 +17,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as in test_adapters.
 @pytest.mark.parametrize("seq_len", [16, 64, 256, 1024, 4096, 4300, 4301, 16384])
 @pytest.mark.parametrize("num_steps", [1, 4, 28, 50, 200])
 def test_flux2_shift_is_the_pipelines_float(seq_len, num_steps):
-    assert sde.flux2_shift(seq_len, num_steps) == compute_empirical_mu(seq_len, num_steps)
+    assert schedules.flux2_shift(seq_len, num_steps) == compute_empirical_mu(seq_len, num_steps)
 
 
 def test_flux2_shift_by_hand():
     # 1024 tokens: μ(10 steps) = 8.73809524e-05·1024 + 1.89833333, μ(200) = 0.00016927·1024 + 0.45666666;
     # 28 steps lies 18/190 of the way from the first to the second
     at_10, at_200 = 8.73809524e-05 * 1024 + 1.89833333, 0.00016927 * 1024 + 0.45666666
-    assert sde.flux2_shift(1024, 28) == pytest.approx(at_10 + (at_200 - at_10) * 18 / 190, rel=1e-12)
+    assert schedules.flux2_shift(1024, 28) == pytest.approx(at_10 + (at_200 - at_10) * 18 / 190, rel=1e-12)
     # above 4300: no step term
-    assert sde.flux2_shift(8192, 28) == pytest.approx(0.00016927 * 8192 + 0.45666666, rel=1e-12)
+    assert schedules.flux2_shift(8192, 28) == pytest.approx(0.00016927 * 8192 + 0.45666666, rel=1e-12)
 
 
 @pytest.fixture(scope="module")

@@ -133,7 +133,6 @@ def bench_rewards(repeats: int = 3, batch_size: int = 8, remote_batch_size: int 
     import torch
 
     from flowrl.registry import REWARDS
-    from flowrl.serving.server import decode_request
     from flowrl.rewards._tiny import (
         BERT_BASE,
         BLIP_LARGE,
@@ -143,6 +142,7 @@ def bench_rewards(repeats: int = 3, batch_size: int = 8, remote_batch_size: int 
         tiny_open_clip,
     )
     from flowrl.rewards.remote import encode_batch
+    from flowrl.serving.server import decode_request
 
     def inputs(reward, n: int, size: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(0)

@@ -1,5 +1,5 @@
 """The `flowrl` command: sample, train, eval, report, demo, bench, plan, pool, rewards list, score, serve-reward,
-recipes.
+recipes, prompts.
 
 Each subcommand has a `_add_<name>(subparsers)` that declares its arguments and a `_run_<name>(args)` that
 does the work; heavy imports happen inside `_run_*` so that `flowrl --help` stays fast.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flowrl import cli_prompts
 from flowrl.bench.cli import _add_bench, _run_bench  # the bench subcommands
 from flowrl.cli_rewards import _add_rewards, _add_score, _add_serve_reward, _run_rewards, _run_score, _run_serve_reward
 
@@ -380,6 +381,7 @@ COMMANDS = {
     "recipes": (_add_recipes, _run_recipes),
     "plan": (_add_plan, _run_plan),
     "pool": (_add_pool, _run_pool),
+    "prompts": (cli_prompts.add_parser, cli_prompts.run),
 }
 
 

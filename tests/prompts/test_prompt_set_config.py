@@ -44,3 +44,12 @@ def test_two_sources_are_refused_and_an_unknown_set_is_named(tmp_path):
         toy_config(tmp_path, {"prompt_set": "geneval:test", "toy_split": "train"})
     with pytest.raises(ValueError, match=r"^data\.prompt_set: "):
         load_prompt_records(None, None, None, "data", False, "no_such_set:test")
+
+
+def test_flowrl_prompts_is_a_command_of_flowrl(tmp_path, capsys):
+    from flowrl.cli import main
+
+    out = tmp_path / "geneval_test.jsonl"
+    assert main(["prompts", "geneval", "--out", str(out)]) == 0
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 553
+    assert "single_object 80" in capsys.readouterr().out

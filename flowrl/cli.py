@@ -178,17 +178,51 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "eval", help="sample the config's fixed eval prompts x seeds from a checkpoint (or base) and score them"
+        "eval",
+        help="sample the config's fixed eval prompts x seeds from a checkpoint (or base) and score them; or run a "
+        "published benchmark (--benchmark) on a model or a checkpoint",
     )
-    p.add_argument("--config", required=True, help="the run's config YAML")
+    p.add_argument("--config", default=None, help="the run's config YAML (optional with --benchmark and --model)")
     p.add_argument(
-        "--checkpoint", required=True, help="checkpoints/step_XXXXXX folder, or 'base' for the untrained model"
+        "--checkpoint", default=None, help="checkpoints/step_XXXXXX folder, or 'base' for the untrained model"
     )
-    p.add_argument("--out", default=None, help="output folder (default: <run>/eval/step_XXXXXX or <run>/eval/base)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: <run>/eval/step_XXXXXX or <run>/eval/base; a benchmark: "
+        "<run>/benchmarks/NAME/<checkpoint>, or runs/benchmarks/NAME/<model>)",
+    )
     p.add_argument(
         "--set", action="append", dest="overrides", metavar="KEY=VALUE", help="config override (dotlist), repeatable"
     )
-    p.add_argument("--batch-size", type=int, default=None, help="default: eval.batch_size of the config")
+    p.add_argument("--batch-size", type=int, default=None, help="default: eval.batch_size of the config (16)")
+    b = p.add_argument_group("benchmarks (flowrl.benchmarks)")
+    b.add_argument("--benchmark", default=None, help="geneval, ocr, pickscore or drawbench: its prompts, seeds, scorer")
+    b.add_argument("--model", default=None, help="a diffusers folder or hub id (benchmark settings)")
+    b.add_argument("--num-prompts", type=int, default=None, help="a quick subset over every task (marked partial)")
+    b.add_argument(
+        "--reward", action="append", default=None, help="drawbench: a scoring reward, repeatable (default: its three)"
+    )
+    b.add_argument(
+        "--reward-kwargs",
+        default=None,
+        metavar="JSON",
+        help='the scorer\'s keyword arguments, e.g. \'{"detector_model": "DIR", "clip_model": "DIR"}\' (several '
+        'scorers: {"NAME": {...}})',
+    )
+    b.add_argument("--source", default=None, help="ocr, pickscore, drawbench: a local copy of the prompts")
+    b.add_argument("--num-steps", type=int, default=None, help="default: the benchmark's 40 (a run: eval.num_steps)")
+    b.add_argument("--guidance-scale", type=float, default=None, help="default: the benchmark's 4.5 (a run: its eval)")
+    b.add_argument("--height", type=int, default=None, help="default: the benchmark's 512 (a run: its eval)")
+    b.add_argument("--width", type=int, default=None, help="default: the benchmark's 512 (a run: its eval)")
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="--model's weights")
+    b.add_argument("--device", default=None, help="--model: cpu, or default the accelerator's device")
+
+
+_BENCHMARK_ONLY = (
+    "model", "num_prompts", "reward", "reward_kwargs", "source", "num_steps", "guidance_scale", "height", "width",
+    "dtype", "device",
+)  # fmt: skip
 
 
 def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, str]:
@@ -226,11 +260,61 @@ def _eval_out_dir(config, checkpoint: str, out: str | None) -> tuple[str, int, s
     return os.path.join(str(run_dir), "eval", label), step, label
 
 
+def _run_benchmark(args: argparse.Namespace) -> int:
+    """`flowrl eval --benchmark NAME` (flowrl.benchmarks): the per-task table, benchmark.json, scores.json, grid.png."""
+    import json
+
+    from flowrl.benchmarks import run_benchmark
+
+    kwargs = None
+    if args.reward_kwargs is not None:
+        try:
+            kwargs = json.loads(args.reward_kwargs)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"--reward-kwargs {args.reward_kwargs!r} is not JSON ({err.msg}); give an object"
+            ) from None
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"--reward-kwargs {args.reward_kwargs!r} must be a JSON object, e.g. '{{\"score\": 1}}'")
+    sampling = dict(num_steps=args.num_steps, guidance_scale=args.guidance_scale, height=args.height, width=args.width)
+    record, out = run_benchmark(
+        args.benchmark,
+        out=args.out,
+        model=args.model,
+        config=args.config,
+        checkpoint=args.checkpoint,
+        overrides=args.overrides,
+        num_prompts=args.num_prompts,
+        rewards=args.reward,
+        reward_kwargs=kwargs,
+        source=args.source,
+        sampling=sampling,
+        dtype=args.dtype,
+        device=args.device,
+        batch_size=args.batch_size,
+    )
+    if record is None:  # not the main process
+        return 0
+    from flowrl.benchmarks import table
+
+    print(table(record))
+    print(f"wrote {out}/benchmark.json")
+    return 0
+
+
 def _run_eval(args: argparse.Namespace) -> int:
     """The trainer's evaluation (flowrl.training.evaluation.Evaluator) on demand, for one checkpoint or the base
     model: the run's model settings on the accelerator's device; under `accelerate launch` (scripts/evaluate.py) split
-    over the processes, the main one writing and printing."""
+    over the processes, the main one writing and printing. With --benchmark: a published benchmark."""
     import contextlib
+
+    if args.benchmark is not None:
+        return _run_benchmark(args)
+    only = [f"--{k.replace('_', '-')}" for k in _BENCHMARK_ONLY if getattr(args, k) not in (None, "float32")]
+    if only:
+        raise ValueError(f"{', '.join(only)} go with --benchmark NAME; add it or drop them")
+    if args.config is None or args.checkpoint is None:
+        raise ValueError("flowrl eval needs --config CONFIG and --checkpoint CKPT (or --benchmark NAME with --model)")
 
     from flowrl.trainers import load_config
     from flowrl.training.checkpoint import load_model_for_eval

@@ -51,7 +51,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("recipes", ("flowrl.trainers", "flowrl.experimental")),
     ("cost model", ("flowrl.plan",)),  # `flowrl plan`: a recipe's step priced and sized at real size
     ("reports", ("flowrl.report",)),  # grids, curves, the hacking panel
-    ("held-out grading", ("flowrl.heldout",)),  # the toy world's held-out numbers (the panel's read names from reports)
+    # the toy world's held-out numbers (the panel's read names from reports); the published benchmarks (flowrl eval)
+    ("held-out grading", ("flowrl.heldout", "flowrl.benchmarks")),
     ("demo", ("flowrl.demo",)),  # `flowrl demo`: grades with flowrl.heldout and never imports a benchmark
     ("benchmarks", ("flowrl.bench",)),  # `flowrl bench ...`: may run the demo's config
     ("commands", ("flowrl.cli", "flowrl.cli_rewards", "flowrl.cli_prompts")),

@@ -1,0 +1,408 @@
+"""The published benchmarks `flowrl eval --benchmark NAME` runs: each one's prompt set, official sample count, scorer
+and summary, and the run itself (the evaluation of flowrl.training.evaluation, split over the processes).
+
+    flowrl eval --benchmark geneval --model stabilityai/stable-diffusion-3.5-medium
+    flowrl eval --benchmark geneval --config CONFIG --checkpoint runs/NAME/checkpoints/step_000100
+    accelerate launch scripts/evaluate.py --benchmark ocr --model PATH --source ocr_test.txt
+
+| benchmark | prompts | images | scorer | overall |
+|---|---|---|---|---|
+| geneval | geneval:test, GenEval's 553 | 4 a prompt, seeds 0-3 | `geneval`, score: correct | mean of the 6 tasks |
+| ocr | ocr:test, Flow-GRPO's | 1, seed 0 | `ocr` | mean of the samples |
+| pickscore | pickscore:test, Flow-GRPO's 2,048 | 1, seed 0 | `pickscore` | mean of the samples |
+| drawbench | drawbench's 200 | 1, seed 0 | `--reward`: pickscore, imagereward, aesthetic | mean of the samples |
+
+GenEval's summary is its evaluation/summary_scores.py's: a task's accuracy is the share of its images judged correct,
+the overall score the mean of the task accuracies (not of the images), beside the share of correct images and of
+prompts with at least one correct image. The benchmark folder also holds results.jsonl in GenEval's own format
+(`filename`, `tag`, `prompt`, `correct`, `metadata`), which summary_scores.py reads as it reads GenEval's.
+
+A model named by `--model` samples with the benchmark's settings (Flow-GRPO's evaluation of SD3.5-M: 40 Euler steps,
+guidance 4.5, 512 x 512); a run's checkpoint (`--config`, `--checkpoint`) with the run's eval settings, as its
+in-training evaluation; `--num-steps`, `--guidance-scale`, `--height`, `--width` override either. `--num-prompts N`
+takes a quick subset, the first N prompts taken in turn from each task (GenEval's tasks, DrawBench's categories) so
+that every task is in it; the result is marked partial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BENCHMARK_FORMAT = "flowrl.benchmark/1"
+GRID_PROMPTS_PER_TASK = 2
+"""Prompts per task shown in grid.png (at most GRID_PROMPTS rows)."""
+GRID_PROMPTS = 24
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    about: str
+    prompt_set: str
+    """The named prompt set (flowrl.prompt_sets)."""
+    seeds: tuple[int, ...]
+    """The official images per prompt, one per seed."""
+    rewards: tuple[str, ...]
+    """The scoring rewards (drawbench: the default of --reward)."""
+    reward_kwargs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Settings the benchmark fixes, per reward (GenEval: score=correct, its official verdict)."""
+    task_key: str | None = None
+    """The metadata key that groups prompts into tasks (GenEval's `tag`, DrawBench's `category`)."""
+    overall: str = "samples"
+    """'tasks': the overall score is the mean of the task scores (GenEval); 'samples': the mean over the samples."""
+    choose_rewards: bool = False
+    """Whether --reward picks the scorers."""
+    num_steps: int = 40
+    guidance_scale: float = 4.5
+    resolution: int = 512
+
+
+BENCHMARKS = {
+    "geneval": Benchmark(
+        "geneval",
+        "GenEval (Ghosh et al. 2023): object, count, colour, position and attribute binding, judged by a detector",
+        "geneval:test",
+        (0, 1, 2, 3),
+        ("geneval",),
+        {"geneval": {"score": "correct"}},
+        task_key="tag",
+        overall="tasks",
+    ),
+    "ocr": Benchmark("ocr", "text rendering: 1 - edit distance of the quoted text", "ocr:test", (0,), ("ocr",)),
+    "pickscore": Benchmark("pickscore", "PickScore on Pick-a-Pic prompts", "pickscore:test", (0,), ("pickscore",)),
+    "drawbench": Benchmark(
+        "drawbench",
+        "DrawBench's 200 prompts scored by preference and quality rewards",
+        "drawbench",
+        (0,),
+        ("pickscore", "imagereward", "aesthetic"),
+        task_key="category",
+        choose_rewards=True,
+    ),
+}
+
+
+def get_benchmark(name: str) -> Benchmark:
+    if name not in BENCHMARKS:
+        raise ValueError(f"--benchmark {name!r} is not a benchmark; use one of {', '.join(BENCHMARKS)}")
+    return BENCHMARKS[name]
+
+
+# 1. Prompts
+
+
+def load_prompts(bench: Benchmark, source: str | None, num_prompts: int | None) -> tuple[list[dict], int]:
+    """(the records evaluated, the benchmark's prompt count): all of them, or `num_prompts` taken in turn from each
+    task in the set's order."""
+    from flowrl.prompt_sets import PromptSetUnavailable, prompt_set_records
+
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"--num-prompts={num_prompts} must be >= 1 (a quick subset; leave it out for the benchmark)")
+    if source is not None and bench.prompt_set.startswith("geneval"):
+        raise ValueError("--source: geneval's prompts are generated by flowrl; drop --source")
+    try:
+        records = prompt_set_records(bench.prompt_set, source=source)
+    except PromptSetUnavailable as err:  # offline and not cached: the set's own one-line advice
+        raise ValueError(f"--benchmark {bench.name}: {err}") from None
+    keep = subset(records, bench.task_key, num_prompts)
+    return [records[i] for i in keep], len(records)
+
+
+def subset(records: list[dict], task_key: str | None, num_prompts: int | None) -> list[int]:
+    """Indices of the first `num_prompts` records taken in turn from each task (first-seen task order), in the set's
+    order; every index when `num_prompts` is None or covers the set."""
+    if num_prompts is None or num_prompts >= len(records):
+        return list(range(len(records)))
+    tasks: dict[Any, list[int]] = {}
+    for i, record in enumerate(records):
+        tasks.setdefault(record.get(task_key) if task_key else None, []).append(i)
+    chosen: list[int] = []
+    for rank in range(max(len(v) for v in tasks.values())):
+        for indices in tasks.values():
+            if rank < len(indices) and len(chosen) < num_prompts:
+                chosen.append(indices[rank])
+    return sorted(chosen)
+
+
+# 2. Scorers
+
+
+def reward_specs(
+    bench: Benchmark, names: list[str] | None, reward_kwargs: dict | None, run_rewards: list | None = None
+) -> list:
+    """RewardConfig of each scorer: the run's own settings of that reward (its local weights), then the benchmark's
+    fixed ones, then --reward-kwargs (an object of keyword arguments; with several scorers, one object per name)."""
+    from flowrl.config import RewardConfig
+
+    if names and not bench.choose_rewards:
+        raise ValueError(f"--reward: {bench.name} is scored by {', '.join(bench.rewards)}; drop --reward")
+    names = list(dict.fromkeys(names or bench.rewards))
+    if not isinstance(reward_kwargs or {}, dict):
+        raise ValueError(f"--reward-kwargs={reward_kwargs!r} must be a JSON object of keyword arguments")
+    extra = dict(reward_kwargs or {})
+    if len(names) > 1 and extra:
+        wrong = [k for k, v in extra.items() if k not in names or not isinstance(v, dict)]
+        if wrong:
+            raise ValueError(
+                f"--reward-kwargs: {bench.name} has several scorers ({', '.join(names)}); give one object per name, "
+                f'e.g. {{"{names[0]}": {{...}}}} (not {wrong[0]!r})'
+            )
+    own = {spec.name: spec for spec in run_rewards or []}
+    specs = []
+    for name in names:
+        mine = extra.get(name, {}) if len(names) > 1 else extra
+        base = own[name].kwargs if name in own else {}
+        spec = RewardConfig(name=name, kwargs={**base, **bench.reward_kwargs.get(name, {}), **mine})
+        if name in own:
+            spec = dataclasses.replace(spec, dtype=own[name].dtype, device=own[name].device)
+        specs.append(spec)
+    return specs
+
+
+# 3. Summaries
+
+
+def _mean(values: list) -> float | None:
+    finite = [float(v) for v in values if v is not None and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+def geneval_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """GenEval's summary_scores.py over per-image rows {prompt, tag, correct (0/1)}: the share of correct images, of
+    prompts with a correct image, each task's accuracy (tasks in first-seen order) and their mean."""
+    tasks: dict[str, list[float]] = {}
+    prompts: dict[Any, bool] = {}
+    for row in rows:
+        tasks.setdefault(row["tag"], []).append(float(row["correct"]))
+        prompts[row["prompt"]] = prompts.get(row["prompt"], False) or bool(row["correct"])
+    breakdown = {t: {"accuracy": sum(v) / len(v), "correct": int(sum(v)), "samples": len(v)} for t, v in tasks.items()}
+    return {
+        "images": len(rows),
+        "prompts": len(prompts),
+        "images_correct": sum(float(r["correct"]) for r in rows) / len(rows),
+        "prompts_correct": sum(prompts.values()) / len(prompts),
+        "tasks": breakdown,
+        "overall": sum(t["accuracy"] for t in breakdown.values()) / len(breakdown),
+    }
+
+
+def summarize(bench: Benchmark, scores: dict[str, Any]) -> dict[str, Any]:
+    """{tasks: {task: {reward: mean, samples: n}}, overall: {reward: value}} of a scores.json (GenEval: also its
+    summary_scores numbers under `geneval`)."""
+    names = [*scores["rewards"]["train"], *scores["rewards"]["gold"]]
+    metadata, samples = scores["metadata"], scores["samples"]
+    groups: dict[str, list[dict]] = {}
+    if bench.task_key:
+        for sample in samples:
+            groups.setdefault(str(metadata[sample["prompt_index"]].get(bench.task_key)), []).append(sample)
+    tasks = {
+        task: {**{n: _mean([x["scores"][n] for x in group]) for n in names}, "samples": len(group)}
+        for task, group in groups.items()
+    }
+    if bench.overall == "tasks":
+        overall = {n: _mean([t[n] for t in tasks.values()]) for n in names}
+    else:
+        overall = {n: scores["means"][n] for n in names}
+    out: dict[str, Any] = {"tasks": tasks, "overall": overall}
+    if bench.name == "geneval":
+        rows = [
+            {"prompt": x["prompt_index"], "tag": metadata[x["prompt_index"]]["tag"], "correct": x["scores"]["geneval"]}
+            for x in samples
+            if x["scores"]["geneval"] is not None
+        ]
+        out["geneval"] = {k: v for k, v in geneval_summary(rows).items() if k != "tasks"} if rows else None
+    return out
+
+
+def geneval_results(scores: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of GenEval's results.jsonl (evaluate_images.py's output, summary_scores.py's input)."""
+    rows = []
+    for x in scores["samples"]:
+        meta = scores["metadata"][x["prompt_index"]]
+        prompt = scores["prompts"][x["prompt_index"]]
+        correct = x["scores"]["geneval"]
+        record = json.dumps({k: meta[k] for k in ("tag", "include", "exclude") if k in meta} | {"prompt": prompt})
+        rows.append({"filename": x["image"], "tag": meta.get("tag"), "prompt": prompt, "correct": bool(correct)})
+        rows[-1]["metadata"] = record
+    return rows
+
+
+def table(record: dict[str, Any]) -> str:
+    """The per-task table printed by `flowrl eval --benchmark`."""
+    names = list(record["overall"])
+    width = max([16, *(len(t) + 2 for t in record["tasks"])])
+    head = f"{'task':<{width}}" + "".join(f"{n:>14}" for n in names) + f"{'samples':>10}"
+
+    def row(label: str, values: dict, count: int) -> str:
+        cells = "".join(f"{'n/a' if values[n] is None else f'{values[n]:.4f}':>14}" for n in names)
+        return f"{label:<{width}}{cells}{count:>10}"
+
+    lines = [
+        f"{record['benchmark']}: {record['model']}" + (f" @ {record['checkpoint']}" if record["checkpoint"] else ""),
+        f"{record['prompts']} prompts x {len(record['seeds'])} seeds = {record['samples']} samples"
+        + (f" (partial: {record['prompts']} of {record['benchmark_prompts']} prompts)" if record["partial"] else ""),
+        head,
+        *(row(task, values, values["samples"]) for task, values in record["tasks"].items()),
+        row("overall", record["overall"], record["samples"]),
+    ]
+    return "\n".join(lines)
+
+
+# 4. The run
+
+
+def _commit() -> str | None:
+    """The git commit of this flowrl checkout (None when installed from a wheel)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def default_out(bench: Benchmark, model: str) -> str:
+    """runs/benchmarks/<benchmark>/<model, path separators as _>."""
+    return os.path.join("runs", "benchmarks", bench.name, re.sub(r"[^A-Za-z0-9._-]+", "_", model.strip("/")))
+
+
+def _grid(bench: Benchmark, out: Path, scores: dict[str, Any], label: str, step: int) -> Path:
+    """grid.png: rows = the first prompts of each task, columns = seeds, each cell captioned with its scores."""
+    from flowrl.report.grid import render_grid
+    from flowrl.report.runs import EvalRecord
+
+    picked = subset(scores["metadata"], bench.task_key, GRID_PROMPTS)
+    per_task: dict[Any, int] = {}
+    rows = []
+    for p in picked:
+        task = scores["metadata"][p].get(bench.task_key) if bench.task_key else None
+        per_task[task] = per_task.get(task, 0) + 1
+        if per_task[task] <= GRID_PROMPTS_PER_TASK or not bench.task_key:
+            rows.append(scores["prompts"][p])
+    names = [*scores["rewards"]["train"], *scores["rewards"]["gold"]]
+    grid, _ = render_grid([EvalRecord(label, step, out, scores)], rows, scores["seeds"], names)
+    grid.save(out / "grid.png", compress_level=1)
+    return out / "grid.png"
+
+
+def run_benchmark(
+    name: str,
+    *,
+    out: str | None,
+    model: str | None = None,
+    config: str | None = None,
+    checkpoint: str | None = None,
+    overrides: list[str] | None = None,
+    num_prompts: int | None = None,
+    rewards: list[str] | None = None,
+    reward_kwargs: dict | None = None,
+    source: str | None = None,
+    sampling: dict[str, Any] | None = None,
+    dtype: str = "float32",
+    device: str | None = None,
+    batch_size: int | None = None,
+) -> tuple[dict[str, Any] | None, str]:
+    """Sample and score a benchmark on a model (`model`) or a run's checkpoint (`config` + `checkpoint`); under
+    `accelerate launch` every process calls it and shares the samples. Returns (benchmark.json's record on the main
+    process, None elsewhere; the output folder). `sampling`: num_steps, guidance_scale, height, width overrides."""
+    from flowrl.config import EvalConfig
+    from flowrl.training.evaluation import Evaluator
+    from flowrl.training.scoring import build_rewards
+
+    bench = get_benchmark(name)
+    # 0. Arguments that need no model
+    if (model is None) == (config is None):
+        raise ValueError("--benchmark needs --model PATH_OR_ID, or --config CONFIG with --checkpoint; give one")
+    if config is not None and checkpoint is None:
+        raise ValueError("--config needs --checkpoint (a checkpoints/step_XXXXXX folder, or 'base')")
+    if model is not None and (checkpoint is not None or overrides):
+        raise ValueError("--checkpoint and --set go with --config; with --model drop them")
+    sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
+    records, total = load_prompts(bench, source, num_prompts)
+    prompts = [r["prompt"] for r in records]
+    metadata = [{k: v for k, v in r.items() if k != "prompt"} for r in records]
+    # 1. Model, sampling settings and scorers
+    if config is not None:
+        from flowrl.trainers import load_config
+        from flowrl.training.checkpoint import load_model_for_eval
+        from flowrl.training.distributed import make_accelerator
+
+        cfg = load_config(config, overrides or [])
+        acc = make_accelerator(cfg)
+        loaded, weights = load_model_for_eval(cfg, checkpoint, acc.device)
+        eval_cfg, defaults = cfg.eval, dict(cfg.sampler.kwargs)
+        run_rewards = [*cfg.rewards, *cfg.eval.gold_rewards]
+        label, named = os.path.basename(os.path.normpath(checkpoint)), cfg.model.path
+    else:
+        from accelerate import Accelerator
+
+        from flowrl.models import load_flow_model
+
+        acc = Accelerator(cpu=device == "cpu")
+        loaded = load_flow_model(model, dtype=dtype, device=acc.device)
+        size = bench.resolution
+        eval_cfg = EvalConfig(num_steps=bench.num_steps, guidance_scale=bench.guidance_scale, height=size, width=size)
+        defaults, run_rewards, weights, label, named = {}, [], None, "base", model  # an untrained model
+    fixed = dict(num_prompts=None, seeds=list(bench.seeds), corrected_score=None, gold_rewards=[])
+    if batch_size is not None:
+        fixed["batch_size"] = batch_size
+    eval_cfg = dataclasses.replace(eval_cfg, **fixed, **sampling)
+    specs = reward_specs(bench, rewards, reward_kwargs, run_rewards)
+    evaluator = Evaluator(loaded, {}, build_rewards(specs, loaded.device), eval_cfg, defaults, prompts, metadata)
+    # 2. Sample and score, split over the processes
+    step = 0 if checkpoint in (None, "base") else _step(label)
+    if out is not None:
+        folder = out
+    elif config is not None:
+        folder = str(Path(cfg.run_dir) / "benchmarks" / bench.name / label)  # beside the run's eval/
+    else:
+        folder = default_out(bench, model)
+    base = weights == "base" and loaded.has_lora  # the run's base model: the adapter switched off
+    with loaded.adapter_disabled() if base else contextlib.nullcontext():
+        scores = evaluator.run(folder, step, label, weights=weights, accelerator=acc)
+    acc.wait_for_everyone()
+    if scores is None:  # not the main process
+        return None, folder
+    # 3. Summary, benchmark.json, results.jsonl (GenEval), grid.png
+    path = Path(folder)
+    record = {
+        "format": BENCHMARK_FORMAT,
+        "benchmark": bench.name,
+        "prompt_set": bench.prompt_set,
+        "model": str(named),
+        "checkpoint": checkpoint,
+        "weights": weights,
+        "prompts": len(prompts),
+        "benchmark_prompts": total,
+        "seeds": list(bench.seeds),
+        "samples": len(scores["samples"]),
+        "partial": len(prompts) < total,
+        "rewards": {s.name: s.kwargs for s in specs},
+        **summarize(bench, scores),
+        "sampler": scores["sampler"],
+        "commit": _commit(),
+        "environment": scores["environment"],
+    }
+    if bench.name == "geneval":
+        lines = "".join(json.dumps(row) + "\n" for row in geneval_results(scores))
+        (path / "results.jsonl").write_text(lines, encoding="utf-8")
+    _grid(bench, path, scores, label, step)
+    (path / "benchmark.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
+    return record, folder
+
+
+def _step(label: str) -> int:
+    from flowrl.training.runs import step_of
+
+    numbered = step_of(label)
+    return numbered if numbered is not None else 0

@@ -328,6 +328,7 @@ def run_benchmark(
     if model is not None and (checkpoint is not None or overrides):
         raise ValueError("--checkpoint and --set go with --config; with --model drop them")
     sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
+    reward_specs(bench, rewards, reward_kwargs)  # --reward and --reward-kwargs checked before any model loads
     records, total = load_prompts(bench, source, num_prompts)
     prompts = [r["prompt"] for r in records]
     metadata = [{k: v for k, v in r.items() if k != "prompt"} for r in records]

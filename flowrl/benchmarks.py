@@ -327,6 +327,10 @@ def run_benchmark(
         raise ValueError("--config needs --checkpoint (a checkpoints/step_XXXXXX folder, or 'base')")
     if model is not None and (checkpoint is not None or overrides):
         raise ValueError("--checkpoint and --set go with --config; with --model drop them")
+    if config is not None and (device is not None or dtype != "float32"):
+        raise ValueError("--device and --dtype go with --model; a run's are its config's (--set device=cpu)")
+    if device not in (None, "cpu"):
+        raise ValueError(f"--device {device!r}: give cpu, or leave it out for the accelerator's device")
     sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
     reward_specs(bench, rewards, reward_kwargs)  # --reward and --reward-kwargs checked before any model loads
     records, total = load_prompts(bench, source, num_prompts)

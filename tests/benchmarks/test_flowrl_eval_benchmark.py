@@ -201,6 +201,8 @@ def test_two_gloo_processes_write_the_one_process_results(tiny_pipeline, tmp_pat
         (["--benchmark", "geneval", "--model", "m", "--reward", "ocr"], "geneval is scored by geneval; drop --reward"),
         (["--benchmark", "ocr", "--model", "m", "--reward-kwargs", "{x"], "--reward-kwargs '{x' is not JSON"),
         (["--benchmark", "geneval", "--model", "m", "--num-prompts", "0"], "--num-prompts=0 must be >= 1"),
+        (["--benchmark", "ocr", "--model", "m", "--device", "cuda:1"], "--device 'cuda:1': give cpu, or leave it"),
+        (["--benchmark", "ocr", "--config", "c", "--checkpoint", "base", "--dtype", "float16"], "a run's are its"),
         (["--model", "m"], "--model go with --benchmark NAME; add it or drop them"),
         (["--checkpoint", "base"], "flowrl eval needs --config CONFIG and --checkpoint CKPT"),
     ],

@@ -240,10 +240,11 @@ def table(record: dict[str, Any]) -> str:
     """The per-task table printed by `flowrl eval --benchmark`."""
     names = list(record["overall"])
     width = max([16, *(len(t) + 2 for t in record["tasks"])])
-    head = f"{'task':<{width}}" + "".join(f"{n:>14}" for n in names) + f"{'samples':>10}"
+    cols = {n: max(10, len(n) + 2) for n in names}
+    head = f"{'task':<{width}}" + "".join(f"{n:>{cols[n]}}" for n in names) + f"{'samples':>10}"
 
     def row(label: str, values: dict, count: int) -> str:
-        cells = "".join(f"{'n/a' if values[n] is None else f'{values[n]:.4f}':>14}" for n in names)
+        cells = "".join(f"{'n/a' if values[n] is None else f'{values[n]:.4f}':>{cols[n]}}" for n in names)
         return f"{label:<{width}}{cells}{count:>10}"
 
     lines = [

@@ -123,7 +123,7 @@ def heldout_seeds(num_prompts: int, num_seeds: int) -> list[int]:
 
 
 def split_seeds(seed: int, num_prompts: int, num_per_prompt: int) -> list[int]:
-    """[P * S] the seeds of `python -m flowrl.bench.accuracy`'s measurement of a split under run seed `seed`,
+    """[P * S] the seeds of `python -m flowrl.heldout`'s measurement of a split under run seed `seed`,
     prompt-major: sample k of prompt i is 1,000,000 seed + 1000 i + k."""
     return [seed * 1_000_000 + i * 1000 + k for i in range(num_prompts) for k in range(num_per_prompt)]
 

@@ -128,6 +128,7 @@ def test_sample_with_a_trained_checkpoints_lora_equals_the_trained_model_in_proc
     trained model sampled in process with the ODE sampler (same seed and steps), and differ from the base model's."""
     import json
 
+    import flowrl.trainers.kit as kit
     from flowrl import media
     from flowrl.models import load_flow_model
     from flowrl.trainers import build_config, build_trainer
@@ -150,7 +151,7 @@ def test_sample_with_a_trained_checkpoints_lora_equals_the_trained_model_in_proc
         }
     )
     trainer = build_trainer(cfg)
-    trainer.train()
+    kit.train(trainer)
     checkpoint = cfg.run_dir / "checkpoints" / "step_000001"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["lora_weights"] == "raw"
 

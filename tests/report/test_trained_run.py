@@ -14,6 +14,7 @@ from flowrl.cli import main
 
 
 def test_trainer_run_folder_report_and_eval(tiny_pipeline, tmp_path, capsys):
+    import flowrl.trainers.kit as kit
     from flowrl.trainers import build_config
     from flowrl.trainers.grpo import GRPOTrainer
 
@@ -45,7 +46,7 @@ def test_trainer_run_folder_report_and_eval(tiny_pipeline, tmp_path, capsys):
         },
         "checkpoint": {"every_n_steps": 1, "keep_last": 5},
     }
-    GRPOTrainer(build_config(data)).train()
+    kit.train(GRPOTrainer(build_config(data)))
     run = tmp_path / "runs" / "trained"
     capsys.readouterr()  # drop what training printed (e.g. DeepSpeed's one-time accelerator notice on first import)
     assert main(["report", str(run)]) == 0

@@ -45,24 +45,26 @@ class Handler(BaseHTTPRequestHandler):
             server.fail_first -= 1 if fail else 0
         try:
             time.sleep(server.delay_s)
-            if self.path != "/v1/chat/completions":
-                return self._send(404, {"error": {"message": f"no route {self.path}"}})
-            if fail:
-                return self._send(503, {"error": {"message": "overloaded"}})
-            parts = body["messages"][0]["content"]
-            url = next(p["image_url"]["url"] for p in parts if p["type"] == "image_url")
-            value = rule(base64.b64decode(url.split(",", 1)[1]))
-            text = (
-                f"The image is fine. Final Score: {value * 5:.6f}"
-                if server.reply == "unifiedreward"
-                else f"{value * 10:.6f}"
-            )
-            if server.reply == "nonsense":
-                text = "I cannot rate this image."
-            self._send(200, {"choices": [{"message": {"role": "assistant", "content": text}}]})
-        finally:
+            code, payload = self._answer(server, body, fail)
+        finally:  # the request stops counting before its answer leaves: a client that got the answer may send the next
             with server.lock:
                 server.active -= 1
+        self._send(code, payload)
+
+    def _answer(self, server, body: dict, fail: bool) -> tuple[int, dict]:
+        if self.path != "/v1/chat/completions":
+            return 404, {"error": {"message": f"no route {self.path}"}}
+        if fail:
+            return 503, {"error": {"message": "overloaded"}}
+        parts = body["messages"][0]["content"]
+        url = next(p["image_url"]["url"] for p in parts if p["type"] == "image_url")
+        value = rule(base64.b64decode(url.split(",", 1)[1]))
+        text = f"The image is fine. Final Score: {value * 5:.6f}"
+        if server.reply == "number":
+            text = f"{value * 10:.6f}"
+        elif server.reply == "nonsense":
+            text = "I cannot rate this image."
+        return 200, {"choices": [{"message": {"role": "assistant", "content": text}}]}
 
 
 def start_judge(reply: str = "unifiedreward", delay_s: float = 0.0, fail_first: int = 0) -> ThreadingHTTPServer:

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+import flowrl.trainers.grpo as grpo
+import flowrl.trainers.kit as kit
 from flowrl.models import load_flow_model
 from flowrl.registry import SAMPLERS
 from flowrl.trainers import build_config
@@ -287,21 +289,19 @@ def randomize_adapter(trainer):
 
 @pytest.mark.parametrize("rowwise", [True, False], ids=["one-row-forwards", "batched-forwards"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_on_policy_ratio_of_every_edge_is_exactly_one(tmp_path, precision, rowwise):
+def test_on_policy_ratio_of_every_edge_is_exactly_one(tmp_path, monkeypatch, precision, rowwise):
     trainer = GRPOTrainer(toy_tree_config(tmp_path, **{"model.mixed_precision": precision, "train.kl_coef": 0.1}))
     randomize_adapter(trainer)
     if rowwise:
         trainer.parts.model = OneRowAtATime(trainer.parts.model)
     seen = {}
-    original = trainer._optimise
+    original = grpo.grpo_optimise
 
-    def optimise(rollout, advantages, keep, *rest):
-        seen["credit"] = transition_advantages(
-            rollout, advantages, keep, trainer.parts.cfg.train.tree, trainer.parts.step, 2
-        )
-        return original(rollout, advantages, keep, *rest)
+    def optimise(parts, rollout, advantages, keep, *rest, **kwargs):
+        seen["credit"] = transition_advantages(rollout, advantages, keep, parts.cfg.train.tree, parts.step, 2)
+        return original(parts, rollout, advantages, keep, *rest, **kwargs)
 
-    trainer._optimise = optimise
+    monkeypatch.setattr(grpo, "grpo_optimise", optimise)
     metrics = trainer.train_step()
     assert metrics["train/zero_std_fraction"] == 0.0, metrics  # the reward tells every tree's leaves apart
     if rowwise:
@@ -318,16 +318,16 @@ def test_a_grpo_step_on_tree_edges_moves_the_weights_and_resumes_identically(tmp
     cfg = toy_tree_config(tmp_path / "a", **{"train.learning_rate": 1e-2, "checkpoint.every_n_steps": 1})
     straight = GRPOTrainer(cfg)
     before = [p.detach().clone() for p in straight.parts.opt.params]
-    straight.train()
+    kit.train(straight)
     assert any(not torch.equal(a, b) for a, b in zip(before, straight.parts.opt.params))
     # interrupted after step 1, resumed for step 2
-    GRPOTrainer(toy_tree_config(tmp_path / "b", **{"train.learning_rate": 1e-2, "num_steps": 1})).train()
+    kit.train(GRPOTrainer(toy_tree_config(tmp_path / "b", **{"train.learning_rate": 1e-2, "num_steps": 1})))
     resumed = GRPOTrainer(
         toy_tree_config(
             tmp_path / "b",
             **{"train.learning_rate": 1e-2, "checkpoint.resume": "latest", "checkpoint.every_n_steps": 1},
         )
     )
-    resumed.train()
+    kit.train(resumed)
     for a, b in zip(straight.parts.opt.params, resumed.parts.opt.params):
         assert torch.equal(a, b)

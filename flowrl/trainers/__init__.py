@@ -15,6 +15,7 @@ from flowrl.trainers.adjoint import AdjointMatchingConfig, AdjointMatchingTraine
 from flowrl.trainers.adv_grpo import AdvGRPOConfig, AdvGRPOTrainer
 from flowrl.trainers.awm import AWMConfig, AWMTrainer
 from flowrl.trainers.dgpo import DGPOConfig, DGPOTrainer
+from flowrl.trainers.elbo import ELBOConfig, ELBOTrainer
 from flowrl.trainers.gdro import GDROConfig, GDROTrainer
 from flowrl.trainers.grpo import GRPOConfig, GRPOTrainer
 from flowrl.trainers.nft import NFTConfig, NFTTrainer
@@ -28,6 +29,7 @@ TRAINERS: dict[str, type] = {
     "adjoint_matching": AdjointMatchingTrainer,
     "awm": AWMTrainer,
     "dgpo": DGPOTrainer,
+    "elbo": ELBOTrainer,
     "gdro": GDROTrainer,
     "adv_grpo": AdvGRPOTrainer,
     "smopd": SMOPDTrainer,
@@ -69,6 +71,8 @@ __all__ = [
     "AWMTrainer",
     "DGPOConfig",
     "DGPOTrainer",
+    "ELBOConfig",
+    "ELBOTrainer",
     "GDROConfig",
     "GDROTrainer",
     "TRAINERS",

@@ -64,7 +64,7 @@ BUDGETS = {  # flowrl/trainers/kit.py carries the plumbing; GRPO's recipe, the r
     "flowrl/trainers/grpo.py": 350,
     **{
         f"flowrl/trainers/{name}.py": RECIPE_BUDGET
-        for name in ("nft", "ram", "awm", "dgpo", "gdro", "adjoint", "adv_grpo", "smopd")
+        for name in ("nft", "ram", "awm", "dgpo", "gdro", "adjoint", "adv_grpo", "smopd", "elbo")
     },
     "flowrl/experimental/tagrpo.py": 400,  # experimental: its alignment math inline until it earns a recipe's budget
 }

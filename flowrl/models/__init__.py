@@ -136,9 +136,10 @@ def _load(path_or_hub_id: str, dtype: torch.dtype, device, sharded: bool = False
         from flowrl.models.toy import load_toy_model
 
         for key in kwargs:
-            if key != "source_weight":
+            if key not in ("source_weight", "grammar"):
                 raise ValueError(
-                    f"model.{key}={kwargs[key]!r} does not apply to the toy model; its one setting is source_weight"
+                    f"model.{key}={kwargs[key]!r} does not apply to the toy model; its settings are source_weight and "
+                    "grammar (geneval: the second toy model, docs/toy.md#geneval-families)"
                 )
         return load_toy_model(device=device, dtype=dtype, **kwargs)
     path = Path(path_or_hub_id).expanduser()

@@ -31,7 +31,7 @@ from flowrl.models.lora import LoRAMixin
 from flowrl.models.precision import AutocastMixin
 from flowrl.schedules import scheduler_sigmas
 from flowrl.toy.manifest import weights_or_checkpoint
-from flowrl.toy.world import COLOURS, COUNTS, IMAGE_SIZE, SHAPES, parse_prompt
+from flowrl.toy.world import COLOURS, COUNTS, IMAGE_SIZE, SHAPES, parse_pair_prompt, parse_prompt
 from flowrl.types import Cond
 
 MODEL_FILE = "toy_model.safetensors"  # in flowrl/toy/weights/, checked by flowrl.toy.manifest
@@ -40,6 +40,14 @@ MODEL_FILE = "toy_model.safetensors"  # in flowrl/toy/weights/, checked by flowr
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 VOCAB = {word: i for i, word in enumerate(SPECIAL_TOKENS + COUNTS + COLOURS + SHAPES + tuple(s + "s" for s in SHAPES))}
 MAX_LENGTH = 5  # <bos> count colour shape <eos>
+
+# The second toy model reads both grammars: the first's words, then those of GenEval's two-object and position prompts
+# ("a red circle and a blue square", "a red circle left of a blue square"; docs/toy.md#geneval-families).
+GRAMMARS = ("shapes", "geneval")
+GENEVAL_MODEL_FILE = "toy_geneval_model.safetensors"  # in flowrl/toy/weights/, checked by flowrl.toy.manifest
+PAIR_WORDS = ("a", "and", "left", "right", "of", "above", "below")
+GENEVAL_VOCAB = {word: i for i, word in enumerate((*VOCAB, *PAIR_WORDS))}  # VOCAB's ids, then the pair words
+GENEVAL_MAX_LENGTH = 10  # <bos> a colour shape left of a colour shape <eos>
 
 PATCH = 2  # the UNet sees 2x2 pixel patches packed into channels: [N, 3, 32, 32] <-> [N, 12, 16, 16]
 UNET_CONFIG = dict(
@@ -66,19 +74,38 @@ TEXT_CONFIG = dict(
     eos_token_id=2,
     projection_dim=64,
 )
+GENEVAL_TEXT_CONFIG = {**TEXT_CONFIG, "vocab_size": len(GENEVAL_VOCAB), "max_position_embeddings": GENEVAL_MAX_LENGTH}
 SCHEDULER_CONFIG = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0}
 DEFAULT_NUM_STEPS = 10
 DEFAULT_GUIDANCE_SCALE = 1.0  # the learned conditional; CFG 3 raises held-out accuracy from 34% to 58%
 
 
-def tokenize(prompts: list[str]) -> torch.Tensor:
-    """Token ids [N, MAX_LENGTH]; "" is the unconditional prompt, anything else must parse in the grammar."""
+def tokenize(prompts: list[str], grammar: str = "shapes") -> torch.Tensor:
+    """Token ids [N, L]; "" is the unconditional prompt, anything else must parse in the grammar. `grammar` "shapes"
+    (L = MAX_LENGTH): the first grammar's prompts; "geneval" (L = GENEVAL_MAX_LENGTH): those and the pair prompts."""
+    if grammar not in GRAMMARS:
+        raise ValueError(f"toy grammar={grammar!r} is unknown; use one of {', '.join(GRAMMARS)}")
+    vocab, length = (VOCAB, MAX_LENGTH) if grammar == "shapes" else (GENEVAL_VOCAB, GENEVAL_MAX_LENGTH)
     rows = []
     for prompt in prompts:
-        words = [] if prompt.strip() == "" else parse_prompt(prompt).prompt.split()
-        ids = [VOCAB["<bos>"]] + [VOCAB[w] for w in words] + [VOCAB["<eos>"]]
-        rows.append(ids + [VOCAB["<pad>"]] * (MAX_LENGTH - len(ids)))
+        words = [] if prompt.strip() == "" else _words(prompt, grammar)
+        ids = [vocab["<bos>"]] + [vocab[w] for w in words] + [vocab["<eos>"]]
+        rows.append(ids + [vocab["<pad>"]] * (length - len(ids)))
     return torch.tensor(rows, dtype=torch.long)  # [N, L]
+
+
+def _words(prompt: str, grammar: str) -> list[str]:
+    """The prompt's words as its grammar writes them (ValueError quoting the grammar for anything else)."""
+    if grammar == "shapes":
+        return parse_prompt(prompt).prompt.split()
+    try:
+        return parse_prompt(prompt).prompt.split()
+    except ValueError:
+        pass
+    try:
+        return parse_pair_prompt(prompt).prompt.split()
+    except ValueError as error:
+        raise ValueError(f"{error} (the geneval toy model also reads the first grammar's prompts)") from None
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -97,10 +124,10 @@ def build_unet():
     return UNet2DConditionModel(**UNET_CONFIG)
 
 
-def build_text_encoder():
+def build_text_encoder(grammar: str = "shapes"):
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    return CLIPTextModel(CLIPTextConfig(**TEXT_CONFIG))
+    return CLIPTextModel(CLIPTextConfig(**(TEXT_CONFIG if grammar == "shapes" else GENEVAL_TEXT_CONFIG)))
 
 
 class ToyFlowModel(LoRAMixin, AutocastMixin):
@@ -118,7 +145,10 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         source_weight: float = 0.0,
+        grammar: str = "shapes",
     ):
+        if grammar not in GRAMMARS:
+            raise ValueError(f"model.family_kwargs.grammar={grammar!r} is unknown; use one of {', '.join(GRAMMARS)}")
         if not source_weight >= 0.0:
             raise ValueError(
                 f"model.family_kwargs.source_weight={source_weight!r} must be >= 0 (0: the text-only model)"
@@ -132,6 +162,7 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
         self.text_encoder = text_encoder.to(self.device, dtype).eval().requires_grad_(False)
         self._cache: dict[str, torch.Tensor] = {}  # prompt -> [L, D]
         self.source_weight = float(source_weight)
+        self.grammar = grammar  # the prompts `embed` reads (`tokenize`)
         if self.source_weight > 0.0:  # an instance attribute only here: the text-only model has no `conditioning`
             self.conditioning = "image"
             self._source_cache: dict[tuple[str, int, int], torch.Tensor] = {}  # (path, H, W) -> [3, H, W] in [-1, 1]
@@ -139,7 +170,7 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
     # -- conditioning -------------------------------------------------------------------------------------
     def embed(self, prompts: list[str]) -> torch.Tensor:
         """Text embeddings [N, L, D] through the text encoder (with grad if the caller allows it)."""
-        ids = tokenize(prompts).to(self.device)  # [N, L]
+        ids = tokenize(prompts, self.grammar).to(self.device)  # [N, L]
         work.encoded(ids.shape[0], ids.numel())
         return self.text_encoder(input_ids=ids).last_hidden_state
 
@@ -166,7 +197,7 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
         num_frames) it is resized to; flowrl.models.conditioning.encode_prompts hands both)."""
         for prompt in prompts:  # "" is the unconditional (negative) prompt only: a blank prompt is refused as any other
             if not prompt.strip():
-                parse_prompt(prompt)
+                _words(prompt, self.grammar)
         if getattr(self, "conditioning", None) is None:
             if images is not None and any(i is not None for i in images):
                 raise ValueError(f"images={images[:1]!r}...: the {self.family} model is text-only; pass no images")
@@ -292,16 +323,22 @@ class ToyFlowModel(LoRAMixin, AutocastMixin):
 
 
 def toy_model_from_state_dict(
-    state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32, source_weight: float = 0.0
+    state: dict[str, torch.Tensor],
+    device="cpu",
+    dtype=torch.float32,
+    source_weight: float = 0.0,
+    grammar: str = "shapes",
 ) -> ToyFlowModel:
-    unet, text_encoder = build_unet(), build_text_encoder()
+    if grammar not in GRAMMARS:
+        raise ValueError(f"model.family_kwargs.grammar={grammar!r} is unknown; use one of {', '.join(GRAMMARS)}")
+    unet, text_encoder = build_unet(), build_text_encoder(grammar)
     unet.load_state_dict(
         {k[len("transformer.") :]: v.float() for k, v in state.items() if k.startswith("transformer.")}
     )
     text_encoder.load_state_dict(
         {k[len("text_encoder.") :]: v.float() for k, v in state.items() if k.startswith("text_encoder.")}, strict=False
     )
-    return ToyFlowModel(unet, text_encoder, device=device, dtype=dtype, source_weight=source_weight)
+    return ToyFlowModel(unet, text_encoder, device=device, dtype=dtype, source_weight=source_weight, grammar=grammar)
 
 
 def load_toy_model(
@@ -309,10 +346,17 @@ def load_toy_model(
     dtype: torch.dtype = torch.float32,
     checkpoint: str | Path | None = None,
     source_weight: float = 0.0,
+    grammar: str = "shapes",
 ) -> ToyFlowModel:
     """The shipped toy model (size and sha256 checked), or a checkpoint file written by scripts/pretrain_toy.py;
-    `source_weight` > 0 makes it the toy image-to-video model (`ToyFlowModel.velocity`)."""
+    `source_weight` > 0 makes it the toy image-to-video model (`ToyFlowModel.velocity`). `grammar` "geneval" loads the
+    second shipped model, which reads the GenEval families' prompts as well (`GENEVAL_MODEL_FILE`, its checkpoints
+    from `scripts/pretrain_toy.py --grammar geneval`)."""
     from safetensors.torch import load_file
 
-    path = weights_or_checkpoint(MODEL_FILE, checkpoint)
-    return toy_model_from_state_dict(load_file(str(path)), device=device, dtype=dtype, source_weight=source_weight)
+    if grammar not in GRAMMARS:
+        raise ValueError(f"model.family_kwargs.grammar={grammar!r} is unknown; use one of {', '.join(GRAMMARS)}")
+    path = weights_or_checkpoint(MODEL_FILE if grammar == "shapes" else GENEVAL_MODEL_FILE, checkpoint)
+    return toy_model_from_state_dict(
+        load_file(str(path)), device=device, dtype=dtype, source_weight=source_weight, grammar=grammar
+    )

@@ -16,6 +16,7 @@ WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 MANIFEST_FILE = "manifest.json"
 REBUILD_SCRIPT = {
     "toy_model.safetensors": "scripts/pretrain_toy.py",
+    "toy_geneval_model.safetensors": "scripts/pretrain_toy.py --grammar geneval",
     "toy_attributes.safetensors": "scripts/train_toy_judges.py --judge attributes",
     "toy_artifact.safetensors": "scripts/train_toy_judges.py --judge artifact",
 }

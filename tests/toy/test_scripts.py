@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from flowrl.models.toy import load_toy_model
 from flowrl.toy.manifest import WEIGHTS_DIR
@@ -91,11 +92,57 @@ def test_label_noise_redraws_count_and_colour_at_the_given_rates():
     assert all(a.shape == b.shape for a, b in zip(specs, scenes))
 
 
+def test_pretrain_quick_geneval_grammar_records_the_second_model_and_its_accuracy(tmp_path):
+    argv = ["--quick", "--grammar", "geneval", "--steps", "4", "--batch-size", "8", "--out", str(tmp_path)]
+    entry = load_script("pretrain_toy").main(argv)
+    assert not (tmp_path / "toy_model.safetensors").exists()  # the shipped model's file is never written
+    path = tmp_path / "toy_geneval_model.safetensors"
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert set(manifest) == {"toy_geneval_model.safetensors"} and manifest[path.name] == entry
+    assert entry["size"] == path.stat().st_size and entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert entry["grammar"] == "geneval" and (entry["swap_noise"], entry["relation_noise"]) == (0.3, 0.4)
+    assert entry["eval_loss_after"] < entry["eval_loss_before"]
+    assert (entry["num_measure_seeds"], entry["num_measure_steps"]) == (1, 2)
+    for key in ("geneval_heldout", "two_object_heldout", "position_heldout", "heldout"):
+        assert 0.0 <= entry[f"{key}_exact_accuracy"] <= 1.0
+    # 24 two-object and 96 position held-out prompts: the overall accuracy is their weighted mean
+    mean = (24 * entry["two_object_heldout_exact_accuracy"] + 96 * entry["position_heldout_exact_accuracy"]) / 120
+    assert abs(entry["geneval_heldout_exact_accuracy"] - mean) < 1e-3
+    model = load_toy_model(checkpoint=path, grammar="geneval")
+    cond = model.encode(["a red circle above a blue square"])
+    assert model.velocity(model.prepare_latents(1, 32, 32, None), 0.5, cond, 1.0).shape == (1, 3, 32, 32)
+    again = load_script("pretrain_toy").main(["--measure-only", str(path), "--quick"])
+    assert again == {k: entry[k] for k in again}  # re-measuring a file gives the recorded numbers
+
+
+def test_pair_noise_swaps_colours_and_redraws_relations_at_the_given_rates():
+    from flowrl.toy.world import RELATIONS, sample_specs
+
+    noisy_pairs = load_script("pretrain_toy").noisy_pairs
+    generator = torch.Generator().manual_seed(0)
+    specs = sample_specs(6000, "position_train", generator)
+    assert noisy_pairs(specs, 0.0, 0.0, generator) == specs
+    scenes = noisy_pairs(specs, 0.3, 0.4, generator)
+    for a, b in zip(specs, scenes):  # shapes stay; colours stay or trade places
+        assert (b.first[1], b.second[1]) == (a.first[1], a.second[1])
+        assert (b.first[0], b.second[0]) in ((a.first[0], a.second[0]), (a.second[0], a.first[0]))
+    # by hand: a swap changes a scene only when its two colours differ
+    changed = sum((a.first, a.second) != (b.first, b.second) for a, b in zip(specs, scenes)) / len(specs)
+    distinct = sum(a.first[0] != a.second[0] for a in specs) / len(specs)
+    assert abs(changed - 0.3 * distinct) < 0.03
+    same_relation = sum(a.relation == b.relation for a, b in zip(specs, scenes)) / len(specs)
+    assert abs(same_relation - (1 - 0.4 * (len(RELATIONS) - 1) / len(RELATIONS))) < 0.03  # a redraw keeps it 1/4
+    two = sample_specs(100, "two_object_train", generator)
+    assert all(b.relation is None for b in noisy_pairs(two, 0.3, 1.0, generator))
+
+
 def test_bad_script_arguments():
     with pytest.raises(ValueError, match="--ema-decay=1.5 must be in"):
         load_script("pretrain_toy").parse_args(["--ema-decay", "1.5"])
     with pytest.raises(ValueError, match="--count-noise=2.0 must be a probability"):
         load_script("pretrain_toy").parse_args(["--count-noise", "2"])
+    with pytest.raises(ValueError, match="--swap-noise=-0.1 must be a probability"):
+        load_script("pretrain_toy").parse_args(["--grammar", "geneval", "--swap-noise", "-0.1"])
 
 
 def test_every_shipped_weight_file_is_small_and_recorded():

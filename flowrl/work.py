@@ -42,19 +42,43 @@ KINDS = (
 
 
 class Meter:
-    """Counts by (phase, kind, detail); thread-safe (rewards may score in a worker thread)."""
+    """Counts by (phase, kind, detail); thread-safe (rewards may score in a worker thread). The phase and the previews
+    flag are per thread, and a thread may send its counts to another meter (`redirected`: an asynchronous rollout's
+    work, billed to the step that trains on it)."""
 
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str, str], float] = defaultdict(float)
         self._lock = threading.Lock()
-        self.phase = "train"
-        self.previewing = False
+        self._local = threading.local()
+
+    @property
+    def phase(self) -> str:
+        return getattr(self._local, "phase", "train")
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self._local.phase = name
+
+    @property
+    def previewing(self) -> bool:
+        return getattr(self._local, "previewing", False)
+
+    @previewing.setter
+    def previewing(self, value: bool) -> None:
+        self._local.previewing = value
 
     def add(self, kind: str, detail: str, amount: float, phase: str | None = None) -> None:
         if kind not in KINDS:
             raise ValueError(f"work kind {kind!r} is not one of {', '.join(KINDS)}")
-        with self._lock:
-            self._counts[(phase or self.phase, kind, detail)] += float(amount)
+        target = getattr(self._local, "redirect", None) or self
+        with target._lock:
+            target._counts[(phase or self.phase, kind, detail)] += float(amount)
+
+    def merge(self, counts: dict[str, float]) -> None:
+        """Add `metrics()` of another meter to this one."""
+        for key, value in counts.items():
+            phase, kind, detail = key.split("/", 3)[1:]
+            self.add(kind, detail, value, phase)
 
     def reset(self) -> None:
         with self._lock:
@@ -81,6 +105,16 @@ def phase(name: str):
         yield
     finally:
         METER.phase = before
+
+
+@contextlib.contextmanager
+def redirected(meter: Meter):
+    """This thread's counts inside the block go to `meter` instead of METER."""
+    before, METER._local.redirect = getattr(METER._local, "redirect", None), meter
+    try:
+        yield
+    finally:
+        METER._local.redirect = before
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from flowrl.schedules import on_trainable_steps
 from flowrl.sde import StepRule
 from flowrl.trainers.ais import AISConfig, ais_coefficients
 from flowrl.trainers.guard import RatioControl, ratio_control_error
+from flowrl.trainers.replay import GROUP, ReplayBuffer, ReplayConfig, check_replay, grpo_replay
 from flowrl.trainers.transitions import (
     TransitionInputs,
     same_on_every_process,
@@ -79,6 +80,9 @@ class GRPOConfig(RecipeConfig):
     dppo_kl_threshold: float = 1e-5
     """τ of the dppo mask, on the KL of the transition Gaussians over their element count (UniRL's
     kl_mask_threshold)."""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """OP-GRPO's replay of past samples with truncated importance weights (keys train.replay.*; off by default;
+    flowrl/trainers/replay.py)."""
 
 
 def grpo_composition_error(recipe: type, sampler, balancer, train=None) -> str | None:
@@ -133,6 +137,11 @@ def grpo_parts(cfg: RunConfig, accelerator, recipe: type, *, whole_groups=False,
             stacklevel=3,
         )
     kit.reward_gradients(parts, affine=False)
+    if t.replay.enabled:
+        if recipe.name != "grpo":
+            raise ValueError(f"train.replay.enabled: trainer {recipe.name} does not replay; use trainer grpo or nft")
+        check_replay(parts, recipe)
+        parts.kept[GROUP] = ReplayBuffer(t.replay)  # saved and resumed with the run
     return parts
 
 
@@ -148,14 +157,17 @@ class Regulariser(Protocol):
         ...
 
 
-def grpo_optimise(parts: RecipeParts, rollout, advantages, keep, per_reward, regulariser=None) -> dict[str, float]:
+def grpo_optimise(
+    parts: RecipeParts, rollout, advantages, keep, per_reward, regulariser=None, sample_weights=None
+) -> dict[str, float]:
     """Stage 6 of GRPO: the clipped ratio loss (+ β KL, + the `regulariser`'s term) over each sample's trained
     transitions; every sample weighs 1 / (its transition count) within the minibatch's kept samples, averaged over
     the accumulated minibatches. The leaves of a tree share its edges: each edge of a tree weighs 1 / (the tree's mean
     edge count per leaf). MARBLE (per_reward [K, N]): each reward's clipped loss backpropagated on its own, the KL
-    and the regulariser outside them. Eval mode kept: the recomputed log-probs equal the rollout's on the first pass."""
+    and the regulariser outside them. Eval mode kept: the recomputed log-probs equal the rollout's on the first pass.
+    `sample_weights` [N] (replay's importance weights; None = 1) multiply each sample's terms."""
     grads = parts.reward_grads
-    t, acc, model, n = parts.cfg.train, parts.accelerator, parts.model, parts.local_n
+    t, acc, model, n = parts.cfg.train, parts.accelerator, parts.model, len(rollout.prompts)
     gen = seed_formulas.step_generator(parts.cfg.seed, parts.step)
     credit = transition_advantages(rollout, advantages, keep, t.tree, parts.step, parts.cfg.num_steps)
     credit = credit._replace(transitions=on_trainable_steps(credit.transitions, rollout.sigmas, model))
@@ -187,6 +199,8 @@ def grpo_optimise(parts: RecipeParts, rollout, advantages, keep, per_reward, reg
             index = torch.tensor(sel, device=acc.device)  # [b]
             k = torch.tensor([steps[i][j] for i in sel], device=acc.device)  # [b] transition per sample
             weight = keep[index].float() / counts[index]  # [b]
+            if sample_weights is not None:
+                weight = weight * sample_weights[index]
             inputs = transition_inputs(rollout, sigmas, index, k)
             cond, x, x_next, sigma, sigma_next, level, scale = inputs
             v = model.velocity(x, sigma, cond, rollout.guidance_scale)
@@ -267,7 +281,9 @@ class GRPOTrainer:
         if t.filter_zero_std:
             exp.keep &= exp.advantages != 0
 
-        # 6. Optimise
+        # 6. Optimise (with replay: beside this step's samples, earlier ones under truncated importance weights)
         tic = timed(parts.accelerator.device)
-        metrics = exp.metrics | grpo_optimise(parts, exp.rollout, exp.advantages, exp.keep, exp.per_reward)
+        exp, weights, replayed = grpo_replay(parts, exp, parts.kept.get(GROUP))
+        inputs = (exp.rollout, exp.advantages, exp.keep, exp.per_reward)
+        metrics = exp.metrics | replayed | grpo_optimise(parts, *inputs, sample_weights=weights)
         return kit.finish_step(parts, exp, metrics, tic.seconds())  # 7. Log

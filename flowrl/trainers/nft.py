@@ -24,7 +24,7 @@ Only stage 6 (and sampling with θ_old) is NFT's own; everything else is a compo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,8 @@ from flowrl import seeds as seed_formulas
 from flowrl.config import RunConfig
 from flowrl.losses import ADV_MODES, nft_loss, velocity_kl
 from flowrl.schedules import nft_times, trainable_steps
+from flowrl.trainers.async_rollout import ROLLOUT, RolloutAhead, check_async
+from flowrl.trainers.replay import GROUP, ReplayBuffer, ReplayConfig, check_replay, nft_replay
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
 from flowrl.training.loop import RecipeConfig, RecipeParts
@@ -66,6 +68,15 @@ class NFTConfig(RecipeConfig):
     log_reward_gradients: bool = False
     """Also take every reward's own gradient each optimizer step (K extra backward passes) to log its cosine with the
     update (`marble/cos/<reward>`, `marble/opposed`); MARBLE (balancer: marble) has them on its full steps anyway."""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """Replay of past endpoints with truncated importance weights of the sampling policy (keys train.replay.*; off by
+    default; flowrl/trainers/replay.py)."""
+    async_rollout: bool = False
+    """Roll out step k + 1 in a worker thread while step k trains, one step stale as Miles-Diffusion
+    (flowrl/trainers/async_rollout.py); `train/staleness` is logged."""
+    async_staleness: int = 1
+    """1: the batch of step k is sampled by θ_old as it stood at the start of step k − 1; 0: by the current θ_old (the
+    synchronous recipe through the asynchronous code)."""
 
 
 def old_policy_decay(decay_type: int, optimizer_steps: int, cap: float | None = None) -> float:
@@ -98,18 +109,28 @@ def nft_parts(cfg: RunConfig, accelerator, recipe: type, teachers: tuple[str, ..
         )
     if why := recipe.composition_error(cfg.sampler, cfg.balancer, t, cfg.rewards):
         raise ValueError(why)
+    if t.async_rollout and recipe.name != "nft":
+        raise ValueError(f"train.async_rollout: trainer {recipe.name} rolls out synchronously; use trainer nft")
     acc = accelerator or make_accelerator(cfg)
-    parts = kit.build_parts(cfg, acc, recipe, adapters=(OLD,), frozen_adapters=teachers)
+    adapters = (OLD, ROLLOUT) if t.async_rollout else (OLD,)  # ROLLOUT: what the prefetched batch is sampled with
+    parts = kit.build_parts(cfg, acc, recipe, adapters=adapters, frozen_adapters=teachers)
+    check_async(parts)
     guidance = kit.refuse_cfg(recipe, parts, "collects data CFG-free and trains the conditional velocity")
     kit.reward_gradients(parts, True, t.adv_clip_max, t.log_reward_gradients)  # MARBLE, the probe
+    if t.replay.enabled:
+        check_replay(parts, recipe)
+        parts.kept[GROUP] = ReplayBuffer(t.replay)  # saved and resumed with the run
     return parts, guidance
 
 
-def nft_step(parts: RecipeParts, guidance: float, extra_loss=None) -> dict[str, float]:
-    """One DiffusionNFT training step (stages 1-7): the rollout with the sampling policy θ_old, the NFT loss on its
-    endpoints (`nft_optimise`, with `extra_loss`), then the soft update of θ_old."""
+def nft_step(
+    parts: RecipeParts, guidance: float, extra_loss=None, ahead: RolloutAhead | None = None
+) -> dict[str, float]:
+    """One DiffusionNFT training step (stages 1-7): the rollout with the sampling policy θ_old (`ahead`: made by a
+    worker thread during the previous step), the NFT loss on its endpoints (`nft_optimise`, with `extra_loss`), then
+    the soft update of θ_old."""
     t = parts.cfg.train
-    exp = kit.collect(parts, adapter=OLD)  # 1-5, the rollout with the sampling policy θ_old
+    exp = ahead.next(parts.step) if ahead else kit.collect(parts, adapter=OLD)  # 1-5, sampled by θ_old
     x0 = exp.rollout.final_latents().to(parts.accelerator.device)  # [N, *latent_shape]: the clean endpoints
     sigmas, cond = exp.rollout.sigmas.to(parts.accelerator.device), exp.rollout.cond  # [T+1]; rows [N]
     exp.rollout = None  # the endpoints are all NFT keeps
@@ -117,8 +138,11 @@ def nft_step(parts: RecipeParts, guidance: float, extra_loss=None) -> dict[str, 
     # 6. Optimise, then the soft update of the sampling policy
     tic = timed(parts.accelerator.device)
     draws = seed_formulas.sample_generators(exp.batch.seeds, "cpu", seed_formulas.TRAIN_STREAM)  # a sample's t and ε
-    inputs = (x0, sigmas, cond, exp.advantages, exp.per_reward, exp.keep, draws)
-    metrics = exp.metrics | nft_optimise(parts, *inputs, guidance, extra_loss)
+    data = {"x0": x0, "sigmas": sigmas, "cond": cond, "advantages": exp.advantages, "per_reward": exp.per_reward}
+    data |= {"keep": exp.keep, "draws": draws, "weights": None}
+    data, replayed = nft_replay(parts, data, exp.batch.seeds, parts.kept.get(GROUP), guidance, OLD)  # replay: + rows
+    inputs = [data[key] for key in ("x0", "sigmas", "cond", "advantages", "per_reward", "keep", "draws")]
+    metrics = exp.metrics | replayed | nft_optimise(parts, *inputs, guidance, extra_loss, data["weights"])
     decay = old_policy_decay(t.decay_type, parts.opt.optimizer_steps, t.old_decay_max)
     parts.model.soft_update_adapter(OLD, "default", decay)
     metrics = kit.finish_step(parts, exp, metrics, tic.seconds())  # 7. Log
@@ -127,7 +151,7 @@ def nft_step(parts: RecipeParts, guidance: float, extra_loss=None) -> dict[str, 
 
 
 def nft_optimise(
-    parts: RecipeParts, x0, sigmas, cond, advantages, per_reward, keep, draws, guidance, extra_loss=None
+    parts: RecipeParts, x0, sigmas, cond, advantages, per_reward, keep, draws, guidance, extra_loss=None, weights=None
 ) -> dict[str, float]:
     """Stage 6 of DiffusionNFT: the NFT loss at each sample's training times; the mean over the minibatch's kept
     samples, accumulated over its times and `gradient_accumulation_steps` minibatches per optimizer step. A sample's
@@ -135,9 +159,10 @@ def nft_optimise(
     count. With per-reward gradients (MARBLE, the probe; per_reward [K, N]) each reward's policy loss is
     backpropagated on its own and the KL outside them (flowrl.training.reward_gradients.RewardGradients).
     `extra_loss(x_t, sigma, cond, v_theta)` -> [b] (e.g. SMOPD's distillation) is added beside it, reduced as it and
-    kept outside the per-reward balancing like the KL."""
+    kept outside the per-reward balancing like the KL. `weights` [N] (replay's importance weights; None = 1) multiply
+    each sample's terms."""
     grads = parts.reward_grads
-    t, acc, model, n = parts.cfg.train, parts.accelerator, parts.model, parts.local_n
+    t, acc, model, n = parts.cfg.train, parts.accelerator, parts.model, len(x0)
     gen = seed_formulas.step_generator(parts.cfg.seed, parts.step)
     names = ("policy_loss", "kl", "r", "positive_loss", "negative_loss")
     optimizer_steps, epoch = kit.OptimizerSteps(parts), None
@@ -149,6 +174,7 @@ def nft_optimise(
         x0_b, keep_b, per_reward_b = x0[index], keep[index].float(), per_reward[:, index]  # [b, ...], [b], [K, b]
         adv_b = grads.advantages(advantages[index], per_reward_b)  # [b]; MARBLE: Σ_k ᾱ_k A_k
         kept = kept_per_process(acc, keep_b.sum())  # mean over every process's kept samples,
+        keep_b = keep_b if weights is None else keep_b * weights[index]  # replayed rows: their importance weight
         per_backward = t.gradient_accumulation_steps * times.shape[1]  # over times and accumulated minibatches
         sub_cond = select_cond(cond, index)
         for j in range(times.shape[1]):
@@ -211,6 +237,8 @@ class NFTTrainer:
 
     def __init__(self, cfg: RunConfig, accelerator=None):
         self.parts, self.guidance = nft_parts(cfg, accelerator, type(self))
+        t = cfg.train
+        self.ahead = RolloutAhead(self.parts, OLD, t.async_staleness) if t.async_rollout else None
 
     def train_step(self) -> dict[str, float]:
-        return nft_step(self.parts, self.guidance)
+        return nft_step(self.parts, self.guidance, ahead=self.ahead)

@@ -366,6 +366,30 @@ def sd3_nft(ctx: Context) -> dict:
     return recipe_step(ctx, NFT_YAML, "sd3", {**NFT_REAL, **reward}, {**SD3_TINY, **reward}, "gpu_check_nft", False)
 
 
+def nft_async(ctx: Context) -> dict:
+    """NFT's asynchronous rollout on the device, its worker thread on its own CUDA stream (the tiny SD3 sizes in both
+    modes): two steps forced to staleness 0 end on the synchronous run's weights (torch.equal, deterministic mode);
+    one-step-stale steps are the CPU tests' (docs/math.md#asynchronous-nft)."""
+    import dataclasses
+
+    from flowrl.trainers import build_trainer
+
+    small = dataclasses.replace(ctx, tiny=True)
+    sizes = {**SD3_TINY, "num_steps": 2, "train.decay_type": 0, "checkpoint.every_n_steps": 0}
+    sizes["rewards"] = [{"name": "pickscore", "weight": 1.0, **pickscore(small)}]
+    runs, record = {}, []
+    with deterministic(record):
+        for name, extra in (("sync", {}), ("forced", {"train.async_rollout": True, "train.async_staleness": 0})):
+            trainer = build_trainer(run_config(small, NFT_YAML, "sd3", {}, {**sizes, **extra}, f"gpu_check_{name}"))
+            runs[name] = (trainer, [trainer.train_step().get("train/staleness") for _ in range(2)])
+    sync, forced = runs["sync"][0], runs["forced"][0]
+    equal = all(torch.equal(a, b) for a, b in zip(sync.parts.opt.params, forced.parts.opt.params))
+    streams = forced.ahead._stream is not None
+    out = {"bitwise_equal": equal, "staleness": runs["forced"][1], "cuda_stream": streams}
+    out["ok"] = equal and runs["forced"][1] == [0.0, 0.0] and streams == ctx.cuda
+    return out | {"nondeterministic_ops": record}
+
+
 def sd3_awm(ctx: Context) -> dict:
     """One AWM step of configs/sd3/awm_pickscore.yaml at SD3.5-M size (1 prompt x 8, 14 steps, 6 trained times)."""
     reward = {"rewards": [{"name": "pickscore", "weight": 1.0, **pickscore(ctx)}]}
@@ -574,6 +598,7 @@ FUNCTIONS = {
     "prompt_cache": (prompt_cache, None),
     "wan22_step": (wan22_step, None),
     "sd3_nft": (sd3_nft, (NFT_YAML, NFT_REAL, SD3_TINY, "none")),
+    "nft_async": (nft_async, None),
     "sd3_awm": (sd3_awm, (AWM_YAML, AWM_REAL, AWM_TINY, "none")),
     "sd3_fsdp": (sd3_fsdp, (SD3_YAML, FSDP_REAL, SD3_TINY, "fsdp")),
     "sd3_eval": (sd3_eval, None),

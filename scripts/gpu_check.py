@@ -57,6 +57,7 @@ SECTIONS = {
     "prompt_cache": 20,  # bytes and encode seconds per cached prompt
     "wan22_step": 10,  # the tiny Wan2.2 A14B: both experts on the device
     "sd3_nft": 30,  # one DiffusionNFT step at SD3.5-M size
+    "nft_async": 12,  # NFT's rollout in a worker thread on its own CUDA stream: staleness 0 = synchronous, bitwise
     "sd3_awm": 30,  # one AWM step at SD3.5-M size
     "sd3_fsdp": 50,  # one-process FSDP2: step, save, resume, bitwise
     "sd3_eval": 20,  # one evaluation pass: seconds per image
@@ -76,6 +77,7 @@ HEADLINES = {
     "prompt_cache": ("MiB_per_prompt", "encode_s_per_prompt"),
     "wan22_step": ("experts_on_device", "step.first_pass_ratio_exactly_1"),
     "sd3_nft": ("step.perf/step_s", "eta.eta", "peak_GiB", "plan.train_over_plan"),
+    "nft_async": ("bitwise_equal", "staleness", "cuda_stream"),
     "sd3_awm": ("step.perf/step_s", "eta.eta", "peak_GiB", "plan.train_over_plan"),
     "sd3_fsdp": ("sharding", "bitwise_equal", "peak_GiB", "plan.train_over_plan"),
     "sd3_eval": ("seconds_per_image", "peak_GiB"),

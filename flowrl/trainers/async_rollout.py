@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import threading
+import time
 
 import torch
 
@@ -64,6 +65,7 @@ class RolloutAhead:
         self._twin = None  # the rollout copy, made at the first launch (after a resume restored the adapters)
         self._thread: threading.Thread | None = None
         self._out: dict = {}
+        self._paused_cpu: float | None = None  # the worker's CPU clock when the last step ended
         device = parts.accelerator.device
         self._stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
 
@@ -96,9 +98,26 @@ class RolloutAhead:
         except BaseException as error:  # raised again in the training thread
             self._out["error"] = error
         self._out["work"], self._out["errors"] = meter.metrics(), view.counters["reward_errors"]
+        self._out["cpu_end"] = time.thread_time()
+
+    def _worker_cpu(self) -> float:
+        """The worker thread's CPU seconds so far (all of them once it has ended)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+        except (OSError, AttributeError):  # it has ended: its own last reading
+            self._thread.join()
+            return self._out["cpu_end"]
+
+    def pause(self) -> None:
+        """At the end of a step: note the worker's CPU clock, so that the CPU it spends until the next step (beside an
+        evaluation or a checkpoint) is billed to that step as `perf/offline_cpu_s` (the race's CPU clock reads the
+        process's CPU time inside steps only)."""
+        self._paused_cpu = self._worker_cpu() if self._thread is not None else None
 
     def _take(self, step: int):
         tic = timed(self.parts.accelerator.device)
+        between = self._worker_cpu() - self._paused_cpu if self._paused_cpu is not None else 0.0
+        self._paused_cpu = None
         self._thread.join()
         self._thread = None
         if self._stream is not None:
@@ -112,6 +131,7 @@ class RolloutAhead:
         self.parts.counters["reward_errors"] += out["errors"]
         exp = out["exp"]
         exp.metrics |= {"train/staleness": float(step - out["version"]), "perf/rollout_wait_s": tic.seconds()}
+        exp.metrics["perf/offline_cpu_s"] = between  # the worker's CPU between the previous step and this one
         exp.started = timed(self.parts.accelerator.device)  # the step's wall time starts when it has its batch
         return exp
 

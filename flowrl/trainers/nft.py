@@ -147,6 +147,8 @@ def nft_step(
     parts.model.soft_update_adapter(OLD, "default", decay)
     metrics = kit.finish_step(parts, exp, metrics, tic.seconds())  # 7. Log
     metrics["train/old_decay"] = decay
+    if ahead:
+        ahead.pause()  # the worker's CPU until the next step is billed to it
     return metrics
 
 

@@ -99,6 +99,7 @@ def test_one_step_stale_trains_on_the_rollout_of_the_previous_sampling_policy(tm
         sync_work = metered_step(sync)  # the synchronous run's work for the same step
         staleness.append(metrics["train/staleness"])
         waits.append(metrics["perf/rollout_wait_s"])
+        assert metrics["perf/offline_cpu_s"] >= 0  # the worker's CPU between steps, billed to the race's CPU clock
         rollout = {k: v for k, v in work_of(metrics).items() if "/rollout/" in k or "/score/" in k}
         assert rollout == {k: v for k, v in work_of(sync_work).items() if "/rollout/" in k or "/score/" in k}
     assert staleness == [0.0, 1.0, 1.0] and all(w >= 0 for w in waits)

@@ -7,8 +7,9 @@ import math
 
 import pytest
 import torch
-from launching import ROOT
+from launching import ROOT, assert_same_checkpoints, one_and_two_processes
 from safetensors.torch import load_file
+from test_grpo_processes import write_config
 from test_term_gradients import (
     PROMPTS,
     OptimizerSteps,
@@ -156,6 +157,26 @@ def test_off_policy_path_resumes_bit_for_bit(tmp_path):
         for c in (straight, resumed_cfg)
     ]
     assert_same(*olds, "adapter_old")
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_match_one_process(tmp_path, tiny_pipeline):
+    """One prompt group of 4 spans both processes; two inner epochs, each one optimizer step over every sample (the
+    second on ratios off 1, whichever process holds a sample); the KL on; the tiny SD3 pipeline."""
+    extra = {
+        "trainer": "elbo",
+        "num_steps": 2,
+        "sampler": {"name": "ode", "num_steps": 3, "height": 32, "width": 32, "guidance_scale": 1.0},
+        "data": {"prompts": ["a red cat", "a blue dog", "a green tree"], "num_prompts_per_step": 1, "group_size": 4},
+        "train": {"learning_rate": 3e-3, "kl_coef": 0.01, "timestep_fraction": 0.7, "num_inner_epochs": 2},
+        "checkpoint": {"every_n_steps": 0, "keep_last": 1},
+    }
+    extra["train"] |= {"ema_every_n_steps": 1, "use_async_rewards": False}
+    runs, lines = one_and_two_processes(tmp_path, write_config(tmp_path, tiny_pipeline("sd3"), "one", **extra))
+    norms = [[x["train/grad_norm"] for x in run] for run in lines]  # a global quantity (the losses logged are local)
+    assert min(norms[0]) > 0 and norms[0] == pytest.approx(norms[1], rel=1e-4), norms
+    assert all(x["train/ratio"] != 1.0 for x in lines[0])  # the second epoch trained on ratios off 1
+    assert_same_checkpoints(runs, ("trainable.safetensors", "ema.safetensors", "adapter_old.safetensors"))
 
 
 def test_the_toy_config_runs(tmp_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -316,6 +316,25 @@ NEEDS = {  # what a balancer may ask of the trainer (Balancer.needs()), beyond o
 }
 
 
+LOSSES = {  # what a lossy sampler option changes in the transitions it makes (Sampler.lossy())
+    "precision": "a low-precision copy of the policy (FP8, FP4, int8, bf16) computed the velocity: the transitions and "
+    "their log-probs are not the policy's",
+    "cache": "diffusers cache hooks reused earlier features in place of the velocity: the transitions and their "
+    "log-probs are not the policy's",
+    "steps": "fewer steps than num_steps: each transition is the policy's own (exact log-probs), the sample a coarser "
+    "solve than the regenerated one",
+}
+
+
+class Lossy(NamedTuple):
+    """A sampler option whose transitions are not the full-precision policy's at the sampler's num_steps."""
+
+    option: str  # the config key and value that make them, e.g. "sampler.preview_backend='fake_nvfp4+few_step'"
+    loss: str  # what it changes, a key of LOSSES
+    trained: bool  # its transitions are the rollout a trainer trains on (False: previews that only rank seeds)
+    fix: str  # how to train on the policy's own transitions instead, e.g. "set sampler.train_on=full (...)"
+
+
 class Sampler(Protocol):
     """Rollouts for a trainer (samplers/: ode, sde, tree, candidates). What a recipe reads of a sampler is declared
     here, not looked up: what its rollouts carry, the steps of its grid that train on a model, its guidance and its
@@ -339,6 +358,11 @@ class Sampler(Protocol):
 
     def carries(self) -> frozenset[str]:
         """What its rollouts hold for a trainer, in the vocabulary of CARRIES."""
+
+    def lossy(self) -> tuple[Lossy, ...]:
+        """Its options whose transitions are not the full-precision policy's at num_steps (low-precision, cached or
+        few-step previews), each with what it changes (LOSSES) and whether a trainer trains on them; () where every
+        transition is the policy's own (docs/recipes/compose.md#lossless-and-lossy-rollouts)."""
 
     def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor | None:
         """[T] bool: the steps of its grid for `model` that carry a trainable transition (the σ the model trains,

@@ -17,7 +17,7 @@ from flowrl import sde
 from flowrl.registry import SAMPLERS
 from flowrl.samplers._rollout import integrate, resolve_size, start_rollout
 from flowrl.schedules import trainable_steps
-from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
+from flowrl.types import FlowModel, Lossy, PromptBatch, Rollout, ScoreFn
 
 
 @SAMPLERS.register("ode")
@@ -48,6 +48,10 @@ class ODESampler:
     def carries(self) -> frozenset[str]:
         """What its rollouts hold for a trainer (docs/recipes/compose.md): clean endpoints, no behaviour log-probs."""
         return frozenset({"clean_endpoints"})
+
+    def lossy(self) -> tuple[Lossy, ...]:
+        """None of its options is lossy: every transition is the full-precision policy's (docs/recipes/compose.md)."""
+        return ()
 
     def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor | None:
         """[T] bool: the steps of the Euler grid on the σ the model trains (none with `stochastic_only`: every step is

@@ -21,7 +21,7 @@ from flowrl.samplers._rollout import integrate, resolve_size, start_rollout
 from flowrl.schedules import describe, trainable_steps
 from flowrl.sde_memoryless import MEMORYLESS_NOISE_LEVEL
 from flowrl.seeds import NOISE_STREAM, sample_generators, window_start
-from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn
+from flowrl.types import FlowModel, Lossy, PromptBatch, Rollout, ScoreFn
 
 
 @SAMPLERS.register("sde")
@@ -112,6 +112,10 @@ class SDESampler:
         if memoryless and not self.sde_window_size and self.sigma_max < 1.0:
             out.add("memoryless")
         return frozenset(out)
+
+    def lossy(self) -> tuple[Lossy, ...]:
+        """None of its options is lossy: every transition is the full-precision policy's (docs/recipes/compose.md)."""
+        return ()
 
     def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor:
         """[T] bool: the steps of its grid on the σ the model trains; with `stochastic_only`, those some sample draws

@@ -42,7 +42,7 @@ from flowrl.registry import SAMPLERS
 from flowrl.samplers._rollout import batch_seeds, latent_seeds, resolve_size
 from flowrl.schedules import trainable_steps
 from flowrl.seeds import NOISE_STREAM, sample_generators
-from flowrl.types import FlowModel, PromptBatch, Rollout, ScoreFn, select_cond
+from flowrl.types import FlowModel, Lossy, PromptBatch, Rollout, ScoreFn, select_cond
 
 SPLIT_LOG_PROBS = ("scaled", "unscaled")
 
@@ -144,6 +144,10 @@ class TreeSampler:
         if stochastic and self.kind != "ode" and self.log_prob_mode == "gaussian" and exact:
             out |= {"gaussian_steps"} | ({"flow_grpo_steps"} if self.kind == "flow_grpo" else set())
         return frozenset(out)
+
+    def lossy(self) -> tuple[Lossy, ...]:
+        """None of its options is lossy: every transition is the full-precision policy's (docs/recipes/compose.md)."""
+        return ()
 
     def trained_steps(self, model: FlowModel, stochastic_only: bool = False) -> torch.Tensor:
         """[T] bool: the steps of its grid on the σ the model trains; with `stochastic_only`, only its stochastic

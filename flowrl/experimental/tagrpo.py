@@ -334,6 +334,7 @@ class TAGRPOTrainer:
     full_reference_copy = False
     cfg_doubles_train_rows = True  # GRPO's transitions at the rollout's guidance: true CFG, both branches
     trains_on = "stochastic_steps"  # GRPO's transitions
+    uses_behaviour_log_probs = True  # GRPO's ratio to the rollout's log-probs (kit.lossy_rollout_error)
     shapes_world: ClassVar[str] = "collapses on every seed of the toy image-to-video world: docs/recipes/tagrpo.md"
 
     @classmethod

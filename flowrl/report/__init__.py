@@ -11,7 +11,8 @@ RUN_DIR/report/):
   captioned with its rewards; the base block and the checkpoint's block side by side (videos as frame strips);
 - index.html: one file with every image inline (base64 data URIs, no scripts, no external CSS/fonts):
   overall table, reward-hacking panel, reward/KL curves (and, comparing runs, a Pareto scatter per reward pair of
-  the final evals), per-reward tables with the change from base (per
+  the final evals), the rollout drift (each `drift/...` metric's last and largest value and its curve,
+  docs/math.md#rollout-drift), per-reward tables with the change from base (per
   prompt and overall), the sample grids (videos as strips plus the animated GIF), the run's config and the
   environment, and a "Gaps" list naming every missing piece of the run folder.
 
@@ -27,11 +28,11 @@ summary.json holds per-sample held-out reads (as `flowrl demo` writes), the pane
 between the training judge's and the gold checker's change, and the rise of impossible counts (`flowrl.report.heldout`).
 
 Modules: runs (reading a run folder), scores (checking scores.json), grid (grid PNGs and number format),
-curves (training curves), hacking (the panel's rules, plot and HTML), heldout (the panel's held-out reads), page
-(index.html), writer (build_report).
+curves (training and drift curves), hacking (the panel's rules, plot and HTML), heldout (the panel's held-out reads),
+page (index.html), writer (build_report).
 """
 
-from flowrl.report.curves import curves_png, draw_pareto, pareto_front, pareto_png
+from flowrl.report.curves import curves_png, draw_pareto, drift_png, pareto_front, pareto_png
 from flowrl.report.grid import GlyphPainter, caption_lines, display_height, fmt, fmt_delta, render_grid
 from flowrl.report.hacking import check_pairs, hacking_png, hacking_rows, paired_gains
 from flowrl.report.heldout import heldout_tests
@@ -52,6 +53,7 @@ __all__ = [
     "check_pairs",
     "curves_png",
     "draw_pareto",
+    "drift_png",
     "data_uri",
     "display_height",
     "environment",

@@ -24,26 +24,47 @@ def figure_png(figure) -> bytes:
 
 def curves_png(runs: list[RunRecord]) -> bytes | None:
     """Training curves from metrics.jsonl: every reward/<name>/mean (with a +-std band), train/kl, train/loss."""
-    from matplotlib.ticker import MaxNLocator
 
+    def trained(key: str) -> bool:
+        return key.startswith("reward/") and key.endswith("/mean") or key in ("train/kl", "train/loss")
+
+    keys = sorted(metric_keys(runs, trained), key=lambda k: (not k.startswith("reward/"), k))
+    return metric_curves_png(runs, keys)
+
+
+def metric_keys(runs: list[RunRecord], wanted) -> list[str]:
+    """The metrics.jsonl keys of any run for which `wanted(key)` holds, in the order they first appear."""
     keys: list[str] = []
     for run in runs:
         for row in run.metrics:
-            for key in row:
-                if (
-                    key.startswith("reward/") and key.endswith("/mean") or key in ("train/kl", "train/loss")
-                ) and key not in keys:
-                    keys.append(key)
+            keys += [key for key in row if wanted(key) and key not in keys]
+    return keys
+
+
+def drift_keys(runs: list[RunRecord]) -> list[str]:
+    """The rollout drift metrics any run logged (`drift/...`, flowrl.trainers.kit.RolloutDrift), sorted."""
+    return sorted(metric_keys(runs, lambda key: key.startswith("drift/")))
+
+
+def drift_png(runs: list[RunRecord]) -> bytes | None:
+    """The rollout drift curves (`drift_keys`): how far each step's rollout model is from the model it trains."""
+    return metric_curves_png(runs, drift_keys(runs))
+
+
+def metric_curves_png(runs: list[RunRecord], keys: list[str]) -> bytes | None:
+    """One panel per metric of `keys` against the step, a line per run (a +-std band where `<key minus mean>std` is
+    logged beside a `.../mean`); None without keys."""
+    from matplotlib.ticker import MaxNLocator
+
     if not keys:
         return None
-    keys.sort(key=lambda k: (not k.startswith("reward/"), k))
     cols = min(3, len(keys))
     rows = math.ceil(len(keys) / cols)
     figure, axes = new_figure(rows, cols, 4.2 * cols, 3 * rows)
     for ax, key in zip(axes.flat, keys):
         for run in runs:
             points = [
-                (r["step"], r[key], r.get(key[: -len("mean")] + "std"))
+                (r["step"], r[key], r.get(key[: -len("mean")] + "std") if key.endswith("/mean") else None)
                 for r in run.metrics
                 if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
             ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 import platform
 import sys
 from pathlib import Path
@@ -236,6 +237,31 @@ def overview(runs: list[RunRecord]) -> str:
     )
 
 
+def drift_section(runs: list[RunRecord], keys: list[str], plot: bytes | None) -> str:
+    """The rollout drift: each run's last and largest value of every `drift/...` metric (docs/math.md#rollout-drift),
+    and their curves (`plot`)."""
+    if not keys:
+        return "<p>No drift/* metrics logged.</p>"
+    body = []
+    for run in runs:
+        cells = []
+        for key in keys:
+            values = [r[key] for r in run.metrics if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            last, top = (values[-1], max(values)) if values else (None, None)
+            cells.append(num_td(last, run=run.name, metric=key, kind="last"))
+            cells.append(num_td(top, run=run.name, metric=key, kind="max"))
+        body.append(f"<tr><td>{esc(run.name)}</td>{''.join(cells)}</tr>")
+    head = "".join(f'<th colspan="2">{esc(key)}</th>' for key in keys)
+    sub = "<th>last</th><th>max</th>" * len(keys)
+    table = f'<table class="drift"><tr><th>run</th>{head}</tr><tr><th></th>{sub}</tr>{"".join(body)}</table>'
+    image = f'<img class="plot" alt="rollout drift: {esc(", ".join(keys))}" src="{data_uri(plot, "image/png")}">'
+    return (
+        "<p>How far the model that made each step's rollout is from the model the step's first optimizer step "
+        "trains: |Δ log p| of the trained transitions (ratio-based recipes) or ||v_rollout − v|| / ||v|| "
+        "(velocity-based ones); 0 for on-policy full-precision rollouts.</p>" + table + (image if plot else "")
+    )
+
+
 def page_html(
     runs: list[RunRecord],
     gaps: list[tuple[str, str]],
@@ -244,6 +270,7 @@ def page_html(
     env: dict[str, str],
     grids: list[str],
     pareto: bytes | None = None,
+    drift: str = "",
 ) -> str:
     names = ", ".join(run.name for run in runs)
     gap_html = (
@@ -277,6 +304,7 @@ def page_html(
 <h2 id="overview">Overview</h2>{overview(runs)}
 <h2 id="hacking">Reward hacking</h2>{"".join(sections["hacking"])}
 <h2 id="curves">Reward and KL curves</h2>{curve_html}{pareto_html}
+<h3 id="drift">Rollout drift</h3>{drift}
 <h2 id="tables">Per-reward tables (change from base)</h2>{"".join(sections["tables"])}
 <h2 id="samples">Samples</h2><p>Grid files: {grid_links}</p>{"".join(sections["samples"])}
 <h2 id="config">Config</h2>{"".join(sections["config"])}

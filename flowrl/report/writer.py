@@ -8,11 +8,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flowrl.report.curves import curves_png, pareto_png
+from flowrl.report.curves import curves_png, drift_keys, drift_png, pareto_png
 from flowrl.report.grid import render_grid
 from flowrl.report.hacking import check_pairs, hacking_rows, hacking_section, panel_flags, run_pairs
 from flowrl.report.heldout import heldout_section, heldout_tests
-from flowrl.report.page import environment, esc, eval_environments, page_html, samples_section, tables_section
+from flowrl.report.page import (
+    drift_section,
+    environment,
+    esc,
+    eval_environments,
+    page_html,
+    samples_section,
+    tables_section,
+)
 from flowrl.report.runs import RunRecord, load_run
 
 
@@ -89,7 +97,8 @@ def build_report(
         config = esc(run.config_text) if run.config_text is not None else "(config.yaml missing)"
         summary = f"<h4>summary.json</h4><pre>{esc(json.dumps(run.summary, indent=1))}</pre>" if run.summary else ""
         sections["config"].append(f"{title}<pre>{config}</pre>{summary}{eval_environments(run)}")
-    page = page_html(runs, gaps, sections, curves_png(runs), environment(), grids, pareto_png(runs))
+    drift = drift_section(runs, drift_keys(runs), drift_png(runs))
+    page = page_html(runs, gaps, sections, curves_png(runs), environment(), grids, pareto_png(runs), drift)
     (out / "index.html").write_text(page, encoding="utf-8")
     return {
         "index": str(out / "index.html"),

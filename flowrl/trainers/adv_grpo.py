@@ -47,6 +47,7 @@ class AdvGRPOTrainer:
     full_reference_copy = False
     cfg_doubles_train_rows = True  # GRPO's transitions at the rollout's guidance: true CFG, both branches
     trains_on = "stochastic_steps"  # GRPO's transitions
+    uses_behaviour_log_probs = True  # GRPO's ratio to the rollout's log-probs (kit.lossy_rollout_error)
     shapes_world: ClassVar[str] = (
         "its prompt-blind DINO-head reward lowers the held-out exact accuracy on every seed run (race seeds 0-2: "
         "6.2 / 18.8 / 21.9% from 32.8%; docs/recipes/adv_grpo.md#measured-on-the-shapes-world)"

@@ -1,14 +1,16 @@
 """The composition matrix: every registered sampler x trainer x balancer, and whether it runs (docs/recipes/compose.md).
 
     flowrl recipes            # the table: which combination works, and why not where not
-    flowrl recipes --json     # [{"sampler", "trainer", "balancer", "works", "why", "shapes_world"}, ...]
+    flowrl recipes --json     # [{"sampler", "rollout", "trainer", "balancer", "works", "why", "shapes_world"}, ...]
 
-Nothing here decides. A sampler states what its rollouts carry (`carries()`), a balancer what it asks of the
-trainer (`needs()`), and each trainer class judges a (sampler, balancer) pair in its `composition_error`
-classmethod, the very check its constructor and `build_trainer` raise, before any model is built. This module
-only enumerates the registries, with the sub-variants a component lists in its `recipe_variants` (a new sampler,
-trainer or balancer joins the matrix by being registered; a trainer's variants are options of its train config,
-e.g. `grpo(guard)`), and asks each trainer.
+Nothing here decides. A sampler states what its rollouts carry (`carries()`) and which of its options are lossy
+(`lossy()`, the matrix's `rollouts` mark), a balancer what it asks of the trainer (`needs()`), and each trainer class
+judges a (sampler, balancer) pair in its `composition_error` classmethod, the very check its constructor and
+`build_trainer` raise, before any model is built; the kit refuses lossy trained transitions for a recipe that takes
+its ratio to their log-probs (`uses_behaviour_log_probs`, kit.lossy_rollout_error). This module only enumerates
+the registries, with the sub-variants a component lists in its `recipe_variants` (a new sampler, trainer or balancer
+joins the matrix by being registered; a trainer's variants are options of its train config, e.g. `grpo(guard)`), and
+asks each trainer.
 """
 
 from __future__ import annotations
@@ -44,14 +46,36 @@ def trainer_variants() -> list[tuple[str, str, dict]]:
 def composition_error(
     trainer: str, sampler: ComponentConfig, balancer: ComponentConfig, train=None, rewards=()
 ) -> str | None:
-    """None where the triple runs, else the one-line reason and fix: the trainer's own check, or the error a
+    """None where the triple runs, else the one-line reason and fix: the trainer's own check, then the kit's refusal
+    of lossy trained transitions for a ratio to the behaviour log-probs (kit.lossy_rollout_error), or the error a
     sampler or balancer raises for its own arguments (what `build_trainer` raises for the same config)."""
-    from flowrl.trainers import trainer_class
+    from flowrl.trainers import kit, trainer_class
 
+    recipe = trainer_class(trainer)
     try:
-        return trainer_class(trainer).composition_error(sampler, balancer, train, rewards)
+        return recipe.composition_error(sampler, balancer, train, rewards) or kit.lossy_rollout_error(
+            recipe, sampler, train
+        )
     except ValueError as err:
         return str(err)
+
+
+def rollout_mark(sampler: ComponentConfig) -> str:
+    """The matrix's mark of a sampler variant: `lossless` where every transition is the full-precision policy's;
+    `lossless (previews: <losses>)` where lossy options only make previews that rank seeds; `lossy (<losses>)` where
+    they make the trained transitions (flowrl.types.LOSSES: precision, cache, steps); "" where the sampler refuses
+    its own arguments."""
+    from flowrl.trainers import kit
+
+    try:
+        lossy = kit.rollout_lossy(sampler)
+    except ValueError:
+        return ""
+    trained = list(dict.fromkeys(option.loss for option in lossy if option.trained))
+    previews = list(dict.fromkeys(option.loss for option in lossy if not option.trained))
+    if trained:
+        return f"lossy ({', '.join(trained)})"
+    return f"lossless (previews: {', '.join(previews)})" if previews else "lossless"
 
 
 def shapes_world(trainer: str) -> str:
@@ -63,13 +87,15 @@ def shapes_world(trainer: str) -> str:
 
 
 def matrix() -> list[dict]:
-    """One row per (sampler variant, trainer variant, balancer variant): {"sampler", "trainer", "balancer", "works",
-    "why", "shapes_world"}; a trainer variant is judged with its train keys on the recipe's defaults; `shapes_world` is
-    "" or the line that says the recipe does not learn the toy world (`shapes_world` above)."""
+    """One row per (sampler variant, trainer variant, balancer variant): {"sampler", "rollout", "trainer", "balancer",
+    "works", "why", "shapes_world"}; `rollout` is the sampler's mark (`rollout_mark`); a trainer variant is judged with
+    its train keys on the recipe's defaults; `shapes_world` is "" or the line that says the recipe does not learn the
+    toy world (`shapes_world` above)."""
     from flowrl.trainers import trainer_class
 
     rows = []
     for sampler_label, sampler in variants(SAMPLERS):
+        mark = rollout_mark(sampler)
         for trainer_label, trainer, keys in trainer_variants():
             train = trainer_class(trainer).config_class(**keys) if keys else None
             note = shapes_world(trainer)
@@ -78,6 +104,7 @@ def matrix() -> list[dict]:
                 rows.append(
                     {
                         "sampler": sampler_label,
+                        "rollout": mark,
                         "trainer": trainer_label,
                         "balancer": balancer_label,
                         "works": why is None,
@@ -89,22 +116,26 @@ def matrix() -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    """A markdown table, one line per (sampler, trainer), one column per balancer: `yes`, or the number of the
-    reason listed under the table; a trainer that does not learn the Shapes world is marked † and its line listed."""
+    """A markdown table, one line per (sampler, trainer), its rollouts' mark (`rollout_mark`), one column per
+    balancer: `yes`, or the number of the reason listed under the table; a trainer that does not learn the Shapes
+    world is marked † and its line listed."""
     balancers = list(dict.fromkeys(r["balancer"] for r in rows))
     reasons: dict[str, int] = {}
     cells: dict[tuple[str, str], dict[str, str]] = {}
+    marks = {r["sampler"]: r["rollout"] for r in rows}
     for r in rows:
         if r["works"]:
             cell = "yes"
         else:
             cell = f"no ({reasons.setdefault(r['why'], len(reasons) + 1)})"
         cells.setdefault((r["sampler"], r["trainer"]), {})[r["balancer"]] = cell
-    lines = ["| sampler | trainer | " + " | ".join(balancers) + " |", "|---|---|" + "---|" * len(balancers)]
+    head = "| sampler | rollouts | trainer | " + " | ".join(balancers) + " |"
+    lines = [head, "|---|---|---|" + "---|" * len(balancers)]
     notes = {r["trainer"]: r["shapes_world"] for r in rows if r.get("shapes_world")}
     for (sampler, trainer), row in cells.items():
         label = f"{trainer} †" if trainer in notes else trainer
-        lines.append(f"| {sampler} | {label} | " + " | ".join(row.get(b, "") for b in balancers) + " |")
+        cells_text = " | ".join(row.get(b, "") for b in balancers)
+        lines.append(f"| {sampler} | {marks[sampler]} | {label} | {cells_text} |")
     works = sum(r["works"] for r in rows)
     lines += ["", f"{works} of {len(rows)} combinations run; why not, where not:", ""]
     lines += [f"{n}. {why}" for why, n in reasons.items()]

@@ -8,6 +8,8 @@
         full_reference_copy = False               # a frozen copy of the model without LoRA (`build_parts`)
         cfg_doubles_train_rows = False            # training forwards carry both CFG branches with grad
         trains_on = "endpoints"                   # or "stochastic_steps", "rollout_steps" (flowrl.schedules)
+        uses_behaviour_log_probs = False          # True: a ratio to the rollout's log-probs (GRPO): lossy trained
+                                                  # transitions refused, drift from the recipe's own log-probs
 
         def __init__(self, cfg, accelerator=None):
             ... validate cfg.train, raise self.composition_error(...) ...
@@ -41,11 +43,12 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl import work
+from flowrl import sde, work
 from flowrl.config import ComponentConfig, RunConfig
 from flowrl.models import build_policy
 from flowrl.registry import BALANCERS, SAMPLERS
-from flowrl.schedules import check_trainable
+from flowrl.schedules import check_trainable, trainable_steps
+from flowrl.trainers.transitions import transition_inputs
 from flowrl.training.clock import Clock, timed
 from flowrl.training.distributed import Sharding
 from flowrl.training.evaluation import TrainingEvaluation
@@ -62,7 +65,7 @@ from flowrl.training.scoring import (
     build_rewards,
     rollout_and_score,
 )
-from flowrl.types import CARRIES, NEEDS, PromptBatch, Rollout
+from flowrl.types import CARRIES, LOSSES, NEEDS, Lossy, PromptBatch, Rollout
 
 
 def _declared(kind: str, spec: ComponentConfig, component, method: str, vocabulary: dict) -> frozenset[str]:
@@ -88,6 +91,42 @@ def rollout_carries(spec: ComponentConfig) -> frozenset[str]:
 def balancer_needs(spec: ComponentConfig) -> frozenset[str]:
     """What balancer `spec` (name + kwargs) asks of the trainer; the balancer's own argument errors raise here."""
     return _declared("balancer", spec, BALANCERS.get(spec.name)(**spec.kwargs), "needs", NEEDS)
+
+
+def rollout_lossy(spec: ComponentConfig) -> tuple[Lossy, ...]:
+    """The lossy options of sampler `spec` (name + kwargs): what its `lossy()` declares (flowrl.types.Lossy)."""
+    sampler = SAMPLERS.get(spec.name)(**spec.kwargs)
+    if not callable(getattr(sampler, "lossy", None)):
+        raise ValueError(
+            f"sampler {spec.name!r} declares no lossy(): add one returning its lossy options (flowrl.types.Lossy; () "
+            "where every transition is the full-precision policy's; docs/recipes/compose.md)"
+        )
+    out = tuple(sampler.lossy())
+    unknown = sorted({option.loss for option in out} - set(LOSSES))
+    if unknown:
+        raise ValueError(f"sampler {spec.name!r}: lossy() names {unknown}; the known ones are {', '.join(LOSSES)}")
+    return out
+
+
+def lossy_rollout_error(recipe: type, sampler: ComponentConfig, train=None) -> str | None:
+    """None unless recipe `recipe` takes its ratio to the rollout's behaviour log-probs (`uses_behaviour_log_probs`)
+    and an option of sampler `sampler` draws the transitions it trains with another velocity than the policy's (a
+    low precision, a cache; a coarser grid keeps the policy's own log-probs): then the one-line reason and fix.
+    Adaptive importance sampling (`train.ais.enabled`) takes the ratio to the policy's own log-probs and is let through
+    (docs/recipes/compose.md#lossless-and-lossy-rollouts)."""
+    if not getattr(recipe, "uses_behaviour_log_probs", False):
+        return None
+    ais = getattr(train, "ais", None)
+    if ais is not None and ais.enabled:
+        return None
+    lossy = [option for option in rollout_lossy(sampler) if option.trained and option.loss != "steps"]
+    if not lossy:
+        return None
+    return (
+        f"trainer: {recipe.name} takes its ratio to the behaviour log-probs of the transitions it trains, which "
+        f"{'; '.join(option.option for option in lossy)} draws with a lossy copy of the policy (not the policy's "
+        f"log-probs): {lossy[0].fix}, or set train.ais.enabled=true (the ratio to the policy's own log-probs)"
+    )
 
 
 # ------------------------------------------------------------------------------------------ building a run
@@ -118,6 +157,8 @@ def build_parts(
     from accelerate.utils import set_seed
 
     t, acc = cfg.train, accelerator
+    if why := lossy_rollout_error(recipe, cfg.sampler, t):
+        raise ValueError(why)
     run = RunFolder(cfg.output_dir, cfg.name)
     sampler = SAMPLERS.get(cfg.sampler.name)(**cfg.sampler.kwargs)
     prompt_sampler, local_n = step_batches(cfg, sampler, acc.num_processes, whole_groups)
@@ -145,6 +186,7 @@ def build_parts(
     )
     parts.base_copy, parts.extra_rewards = frozen, extra
     parts.adapters = {name: model.adapter_parameters(name) for name in adapters}  # after sharding: the live tensors
+    parts.drift = RolloutDrift(getattr(recipe, "uses_behaviour_log_probs", False))
     return parts
 
 
@@ -230,6 +272,7 @@ def collect(parts: RecipeParts, adapter: str | None = None) -> Experience:
     advantages, per_reward, keep, metrics, errors = balance_per_reward(acc, local, batch, parts.balancer, parts.weights)
     parts.counters["reward_errors"] += errors
     metrics.update(parts.sampler.rollout_metrics(rollout))  # candidate pools: preview/full rank fidelity; else none
+    start_drift(parts, rollout)  # before the first optimizer step: the velocity path measures now
     device = acc.device
     return Experience(
         batch,
@@ -262,6 +305,7 @@ def finish_step(parts: RecipeParts, exp: Experience, metrics: dict, optimise_s: 
     metrics.update(
         step_metrics(wall, exp.rollout_s, exp.scores.seconds, optimise_s, samples, exp.errors, exp.keep.sum())
     )
+    metrics.update(parts.drift.close() if parts.drift is not None else {})
     parts.step += 1
     return metrics
 
@@ -329,3 +373,96 @@ class OptimizerSteps:
         out |= {f"train/{key}": float(torch.stack(values).mean()) for key, values in self.stats.items()}
         out |= self.parts.opt.metrics()
         return out | (self.reward_grads.metrics() if self.reward_grads is not None else {})
+
+
+# ------------------------------------------------------------------------------------------ rollout drift
+
+DRIFT_ROWS = 2  # rows of this process's batch whose transition at one step the velocity path runs again
+DRIFT_LOG_PROB_LIMIT = 1e-4  # |Δ log p| beyond Flow-GRPO's clip range ε = 1e-4: a first-pass ratio outside [1 ± ε]
+
+
+class RolloutDrift:
+    """How far the model that made a step's rollout is from the model its first optimizer step trains
+    (docs/math.md#rollout-drift), over this process's samples: `drift/logprob_abs_mean`, `drift/logprob_abs_max` and
+    `drift/logprob_beyond` (the share of |Δ log p| > DRIFT_LOG_PROB_LIMIT) for stochastic transitions, where Δ log p is
+    the trained model's log-prob of a recorded transition minus the rollout's; `drift/velocity_rel` and
+    `drift/velocity_rel_max`, ||v_rollout − v_trained|| / ||v_trained||, for deterministic ones. A recipe that takes
+    its ratio to the rollout's log-probs (`from_log_probs`, GRPO) hands its first pass's log-probs to `rollout_drift`
+    at no cost; for the others `start_drift` runs DRIFT_ROWS rows at one step again (counted by the work meter as
+    training forwards)."""
+
+    def __init__(self, from_log_probs: bool):
+        self.from_log_probs = from_log_probs
+        self.window: int | None = None  # the optimizer step count at the rollout; observed until it moves
+        self.log_prob: list[torch.Tensor] = []  # |Δ log p| [b] per observation
+        self.velocity: list[torch.Tensor] = []  # ||Δv|| / ||v|| [b] per observation
+
+    def open(self, optimizer_steps: int | None) -> None:
+        self.window, self.log_prob, self.velocity = optimizer_steps, [], []
+
+    def close(self) -> dict[str, float]:
+        """The step's metrics, then nothing observed until the next rollout opens the window again."""
+        out = self.metrics()
+        self.open(None)
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        if self.log_prob:
+            delta = torch.cat(self.log_prob).double()
+            out["drift/logprob_abs_mean"] = float(delta.mean())
+            out["drift/logprob_abs_max"] = float(delta.max())
+            out["drift/logprob_beyond"] = float((delta > DRIFT_LOG_PROB_LIMIT).double().mean())
+        if self.velocity:
+            relative = torch.cat(self.velocity).double()
+            out["drift/velocity_rel"] = float(relative.mean())
+            out["drift/velocity_rel_max"] = float(relative.max())
+        return out
+
+
+def rollout_drift(parts: RecipeParts, log_prob: torch.Tensor, rollout: Rollout, index, k) -> None:
+    """Called by a recipe on each pass of its trained transitions: before the first optimizer step after the rollout,
+    |log_prob − the rollout's log-prob| of transitions k of rows `index` (this step's own samples; replayed rows past
+    local_n are left out) joins the step's drift; later passes are ignored. Costs no forward."""
+    drift = parts.drift
+    if drift is None or drift.window != parts.opt.optimizer_steps:
+        return
+    fresh = index < parts.local_n
+    behaviour = rollout.log_probs.to(log_prob.device)[index[fresh], k[fresh]]
+    drift.log_prob.append((log_prob.detach()[fresh].float() - behaviour.float()).abs().cpu())
+
+
+@torch.no_grad()
+def start_drift(parts: RecipeParts, rollout: Rollout) -> None:
+    """At a step's rollout (kit.collect): open the drift window. A recipe without the rollout's log-probs in its loss
+    (the velocity path) measures now, before its first optimizer step: the first DRIFT_ROWS rows' transitions at the
+    middle of the steps on the trained σ range run through the trained model (no grad, the rollout's guidance); a
+    deterministic transition gives ||x̂' − x'|| / (|Δσ|·||v||), x̂' its Euler step with the trained velocity v (=
+    ||v_rollout − v|| / ||v||), a stochastic one |Δ log p| under the rollout's step rule."""
+    drift, model = parts.drift, parts.model
+    trained = parts.opt.params[0] if parts.opt.params else None
+    if drift is None or not any(p is trained for p in model.transformer.parameters()):
+        return  # a rollout on another copy of the transformer (NFT's async rollout thread) is not measured here
+    drift.open(parts.opt.optimizer_steps)
+    if drift.from_log_probs:
+        return
+    device = parts.accelerator.device
+    steps = trainable_steps(model, rollout.sigmas).nonzero().flatten().tolist()
+    rows = min(DRIFT_ROWS, len(rollout.prompts))
+    if not steps or rows == 0:
+        return
+    sigmas = rollout.sigmas.to(device)
+    index = torch.arange(rows, device=device)
+    k = torch.full((rows,), steps[len(steps) // 2], device=device)
+    cond, x, x_next, sigma, sigma_next, level, scale = transition_inputs(rollout, sigmas, index, k)
+    v = model.velocity(x, sigma, cond, rollout.guidance_scale).float()
+    stochastic = level > 0
+    if stochastic.any():
+        log_prob, _ = sde.rescore_transition(rollout.rule, v, x, x_next, sigma, sigma_next, level, None, "code", scale)
+        behaviour = rollout.log_probs.to(device)[index, k]
+        drift.log_prob.append((log_prob - behaviour)[stochastic].abs().cpu())
+    if not stochastic.all():
+        euler, _, _, _ = sde.sde_step(v, x.float(), sigma, sigma_next, "ode", 0.0)
+        step = (sigma - sigma_next).abs().float()
+        relative = (euler - x_next).flatten(1).norm(dim=1) / (step * v.flatten(1).norm(dim=1))
+        drift.velocity.append(relative[~stochastic].cpu())

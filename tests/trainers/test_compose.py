@@ -55,7 +55,7 @@ def test_the_matrix_is_the_registries_product_with_the_declared_variants(rows):
     )
     assert {"marble(full)", "marble(amortized)"} <= set(balancers)
     for r in rows:
-        assert r.keys() == {"sampler", "trainer", "balancer", "works", "why", "shapes_world"}
+        assert r.keys() == {"sampler", "rollout", "trainer", "balancer", "works", "why", "shapes_world"}
         assert r["works"] == (r["why"] == "") and "\n" not in r["why"]
 
     def works(s, t, b):

@@ -211,6 +211,7 @@ def grpo_optimise(
             log_prob, kl = sde.rescore_transition(
                 rollout.rule, v, x, x_next, sigma, sigma_next, level, v_ref, t.kl_form, scale
             )
+            kit.rollout_drift(parts, log_prob, rollout, index, k)  # the first pass before a step: the rollout's drift
             kl = kl if kl is not None else torch.zeros_like(log_prob)
             outside_terms = t.kl_coef * kl  # [b] the terms outside the advantage (and outside MARBLE's balancing)
             if regulariser is not None:  # e.g. TAGRPO: the step mean pulled toward better members' next latents
@@ -264,6 +265,7 @@ class GRPOTrainer:
     full_reference_copy = False
     cfg_doubles_train_rows = True  # the trained transitions run at the rollout's guidance: true CFG, both branches
     trains_on = "stochastic_steps"  # the rollout's stochastic transitions
+    uses_behaviour_log_probs = True  # the clipped ratio to the rollout's log-probs (kit.lossy_rollout_error)
     recipe_variants: ClassVar[dict[str, dict]] = {"": {}, "guard": {"guard": True}, "dppo": {"ratio_control": "dppo"}}
 
     @classmethod

@@ -25,6 +25,7 @@ from test_term_gradients import (
 from test_trainer_contract import assert_same, toy_config, trainable
 
 import flowrl.trainers.kit as kit
+from flowrl.plan import plan
 from flowrl.trainers import build_trainer, load_config
 from flowrl.trainers.elbo import elbo_log_likelihood, elbo_policy_loss
 from flowrl.training.checkpoint import load_checkpoint
@@ -209,3 +210,20 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     amortized = {"balancer": {"name": "marble", "form": "amortized"}, "train.objective": "par"}
     with pytest.raises(ValueError, match="needs a loss affine in the advantage, which train.objective='par' is not"):
         build_trainer(elbo_config(tmp_path, **amortized))
+
+
+def test_flowrl_plan_prices_the_recipes_own_forwards(tmp_path):
+    """`flowrl plan` meters one step of configs/toy/elbo.yaml: per trained (sample, time) item one forward with
+    gradient and one backward of θ, a forward of θ_old, and a reference forward only where kl_coef > 0."""
+    small = ["data.num_prompts_per_step=2", "data.group_size=4", "sampler.num_steps=4", "train.timestep_fraction=0.5"]
+    work = {}
+    for kl in (0.0, 1e-4):
+        out = tmp_path / f"plan_{kl}.json"
+        plan.plan(ROOT / "configs/toy/elbo.yaml", "h100", 1, overrides=[*small, f"train.kl_coef={kl}"], json_out=out)
+        work[kl] = json.loads(out.read_text())["step"]["work"]
+    items = 8 * 2  # 2 prompts x 4 samples, 2 of the 4 grid times each
+    for kl in work:
+        assert work[kl]["work/rollout/forward/policy"] == 8 * 4
+        assert work[kl]["work/train/forward_grad/policy"] == work[kl]["work/train/backward/lora"] == items
+        assert work[kl]["work/train/forward/policy"] >= 2 * items  # θ's and θ_old's
+    assert work[1e-4]["work/train/forward/policy"] - work[0.0]["work/train/forward/policy"] == items  # v_ref

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -393,12 +394,17 @@ class RolloutDrift:
 
     def __init__(self, from_log_probs: bool):
         self.from_log_probs = from_log_probs
+        self.opened_for = None  # a weak reference to the rollout the window is open for (measured once, not kept)
         self.window: int | None = None  # the optimizer step count at the rollout; observed until it moves
         self.log_prob: list[torch.Tensor] = []  # |Δ log p| [b] per observation
         self.velocity: list[torch.Tensor] = []  # ||Δv|| / ||v|| [b] per observation
 
-    def open(self, optimizer_steps: int | None) -> None:
+    def open(self, optimizer_steps: int | None, rollout: Rollout | None = None) -> None:
         self.window, self.log_prob, self.velocity = optimizer_steps, [], []
+        self.opened_for = None if rollout is None else weakref.ref(rollout)
+
+    def is_open_for(self, rollout: Rollout) -> bool:
+        return self.opened_for is not None and self.opened_for() is rollout
 
     def close(self) -> dict[str, float]:
         """The step's metrics, then nothing observed until the next rollout opens the window again."""
@@ -434,16 +440,17 @@ def rollout_drift(parts: RecipeParts, log_prob: torch.Tensor, rollout: Rollout, 
 
 @torch.no_grad()
 def start_drift(parts: RecipeParts, rollout: Rollout) -> None:
-    """At a step's rollout (kit.collect): open the drift window. A recipe without the rollout's log-probs in its loss
+    """At a step's rollout (kit.collect; a recipe whose rollout comes from elsewhere, NFT's async thread, calls it on
+    the live parts): open the drift window, once per rollout. A recipe without the rollout's log-probs in its loss
     (the velocity path) measures now, before its first optimizer step: the first DRIFT_ROWS rows' transitions at the
     middle of the steps on the trained σ range run through the trained model (no grad, the rollout's guidance); a
     deterministic transition gives ||x̂' − x'|| / (|Δσ|·||v||), x̂' its Euler step with the trained velocity v (=
     ||v_rollout − v|| / ||v||), a stochastic one |Δ log p| under the rollout's step rule."""
     drift, model = parts.drift, parts.model
     trained = parts.opt.params[0] if parts.opt.params else None
-    if drift is None or not any(p is trained for p in model.transformer.parameters()):
-        return  # a rollout on another copy of the transformer (NFT's async rollout thread) is not measured here
-    drift.open(parts.opt.optimizer_steps)
+    if drift is None or drift.is_open_for(rollout) or not any(p is trained for p in model.transformer.parameters()):
+        return  # opened already, or a rollout on another copy of the transformer (NFT's async rollout thread)
+    drift.open(parts.opt.optimizer_steps, rollout)
     if drift.from_log_probs:
         return
     device = parts.accelerator.device

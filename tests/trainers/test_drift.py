@@ -151,6 +151,27 @@ def test_stochastic_rollouts_give_a_velocity_recipe_log_prob_drift(tmp_path):
     assert "drift/velocity_rel" not in moved
 
 
+def test_asynchronous_nft_rollouts_are_measured_on_the_live_model(tmp_path):
+    """train.async_rollout: the batch comes from a worker thread's transformer copy; its drift is measured when the
+    step takes it, on the live model. Forced to staleness 0 it is the synchronous run's drift; one step stale (decay
+    type 0: θ_old is θ after each step) the batch of θ one step back drifts from the θ it trains."""
+    base = {"train.learning_rate": 1e-2, "train.decay_type": 0}
+    sync = build_trainer(toy_config(tmp_path / "sync", "nft", **base))
+    forced_base = base | {"train.async_rollout": True, "train.async_staleness": 0}
+    forced = build_trainer(toy_config(tmp_path / "forced", "nft", **forced_base))
+    stale = build_trainer(toy_config(tmp_path / "stale", "nft", **base, **{"train.async_rollout": True}))
+    try:
+        for step in range(2):
+            m_sync, m_forced, m_stale = sync.train_step(), forced.train_step(), stale.train_step()
+            drift = {k: v for k, v in m_sync.items() if k.startswith("drift/")}
+            assert drift and drift == {k: v for k, v in m_forced.items() if k.startswith("drift/")}, step
+            assert m_stale["train/staleness"] == step
+        assert m_stale["drift/velocity_rel"] > 1e3 * m_sync["drift/velocity_rel"]
+    finally:
+        for trainer in (forced, stale):
+            trainer.ahead.close()
+
+
 def test_the_monitor_changes_no_weight_and_draws_no_random_number(tmp_path, monkeypatch):
     """Two NFT steps (the velocity path's extra forward) and two GRPO steps with the monitor and without it give the
     same weights bit for bit; the extra forward leaves torch's random state as it was."""

@@ -131,6 +131,7 @@ def nft_step(
     the soft update of θ_old."""
     t = parts.cfg.train
     exp = ahead.next(parts.step) if ahead else kit.collect(parts, adapter=OLD)  # 1-5, sampled by θ_old
+    kit.start_drift(parts, exp.rollout)  # the rollout's drift, on the live model (once: kit.collect opened it)
     x0 = exp.rollout.final_latents().to(parts.accelerator.device)  # [N, *latent_shape]: the clean endpoints
     sigmas, cond = exp.rollout.sigmas.to(parts.accelerator.device), exp.rollout.cond  # [T+1]; rows [N]
     exp.rollout = None  # the endpoints are all NFT keeps

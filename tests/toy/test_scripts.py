@@ -147,7 +147,12 @@ def test_bad_script_arguments():
 
 def test_every_shipped_weight_file_is_small_and_recorded():
     manifest = json.loads((WEIGHTS_DIR / "manifest.json").read_text())
-    assert set(manifest) == {"toy_model.safetensors", "toy_attributes.safetensors", "toy_artifact.safetensors"}
+    assert set(manifest) == {
+        "toy_model.safetensors",
+        "toy_geneval_model.safetensors",
+        "toy_attributes.safetensors",
+        "toy_artifact.safetensors",
+    }
     assert {p.name for p in WEIGHTS_DIR.glob("*.safetensors")} == set(manifest)
     total = 0
     for name, entry in manifest.items():
@@ -156,3 +161,6 @@ def test_every_shipped_weight_file_is_small_and_recorded():
         assert entry["command"].startswith("python scripts/") and isinstance(entry["seed"], int)
         total += len(data)
     assert total < 12 * 2**20
+    geneval = manifest["toy_geneval_model.safetensors"]
+    assert geneval["grammar"] == "geneval" and "--grammar geneval" in geneval["command"]
+    assert 0.0 <= geneval["geneval_heldout_exact_accuracy"] <= 1.0

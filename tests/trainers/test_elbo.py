@@ -212,6 +212,7 @@ def test_bad_settings_are_one_line_errors(tmp_path):
         build_trainer(elbo_config(tmp_path, **amortized))
 
 
+@pytest.mark.slow
 def test_flowrl_plan_prices_the_recipes_own_forwards(tmp_path):
     """`flowrl plan` meters one step of configs/toy/elbo.yaml: per trained (sample, time) item one forward with
     gradient and one backward of θ, a forward of θ_old, and a reference forward only where kl_coef > 0."""

@@ -152,6 +152,7 @@ class AdjointMatchingTrainer:
             rollout = Rollout.concat([parts.sampler(model, chunk, step=parts.step) for chunk in chunks])
         latents, sigmas, cond = rollout.latents.to(acc.device), rollout.sigmas.to(acc.device), rollout.cond
         rollout_s = tic.seconds()
+        kit.start_drift(parts, rollout)  # the rollout's drift before the step (docs/math.md#rollout-drift)
 
         # 3. Score: the weighted reward and its gradient at the clean endpoint, through the decoder
         tic = timed(acc.device)
@@ -184,6 +185,7 @@ class AdjointMatchingTrainer:
         )
         metrics["train/grad_reward_norm"] = float(grad.flatten(1).norm(dim=1).mean())
         metrics["train/loss_times"] = len(keep)
+        metrics.update(parts.drift.close())
         parts.step += 1
         return metrics
 

@@ -172,6 +172,15 @@ def test_asynchronous_nft_rollouts_are_measured_on_the_live_model(tmp_path):
             trainer.ahead.close()
 
 
+def test_adjoint_matching_logs_the_drift_of_its_own_rollout(tmp_path):
+    """Adjoint matching rolls out itself (the memoryless SDE of the current weights, every transition stochastic):
+    its step logs |Δ log p| of two rows, 0 up to the float rounding of a 2-row batch."""
+    from test_adjoint import am_config
+
+    metrics = build_trainer(am_config(tmp_path, **{"train.learning_rate": 0.0})).train_step()
+    assert 0 <= metrics["drift/logprob_abs_max"] < 1e-5 and "drift/velocity_rel" not in metrics
+
+
 def test_the_monitor_changes_no_weight_and_draws_no_random_number(tmp_path, monkeypatch):
     """Two NFT steps (the velocity path's extra forward) and two GRPO steps with the monitor and without it give the
     same weights bit for bit; the extra forward leaves torch's random state as it was."""

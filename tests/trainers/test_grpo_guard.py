@@ -398,11 +398,11 @@ def toy_gradient_run(tmp_path, option, shift):
     seen, grads = {}, {}
     optimise, step = grpo.grpo_optimise, trainer.parts.opt.step
 
-    def shifted(parts, rollout, advantages, keep, *rest):
+    def shifted(parts, rollout, advantages, keep, *rest, **options):
         rollout.log_probs[0] += shift
         rollout.log_probs[1] -= shift
         seen.update(rollout=rollout, advantages=advantages.clone())
-        return optimise(parts, rollout, advantages, keep, *rest)
+        return optimise(parts, rollout, advantages, keep, *rest, **options)
 
     def capture(losses):
         grads.update({n: p.grad.detach().clone() for n, p in zip(trainer.parts.opt.names, trainer.parts.opt.params)})

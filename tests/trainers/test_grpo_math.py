@@ -63,12 +63,12 @@ def run_one_step(cfg):
     captured, seen = {}, {}
     original_optimise, original_step = grpo.grpo_optimise, trainer.parts.opt.step
 
-    def optimise(parts, rollout, advantages, keep, *rest):  # rest: the per-reward advantages (MARBLE's)
+    def optimise(parts, rollout, advantages, keep, *rest, **options):  # rest: MARBLE's per-reward advantages
         # shift some stored log-probs so that ratios leave the clip band on both sides
         rollout.log_probs[0] += 2 * CLIP
         rollout.log_probs[1] -= 2 * CLIP
         seen.update(rollout=rollout, advantages=advantages.clone())
-        return original_optimise(parts, rollout, advantages, keep, *rest)
+        return original_optimise(parts, rollout, advantages, keep, *rest, **options)
 
     def step(losses):
         for name, p in zip(trainer.parts.opt.names, trainer.parts.opt.params):

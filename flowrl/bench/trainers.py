@@ -43,10 +43,14 @@ BASELINE = "grpo"  # the recipe whose median final accuracy is the target
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # what "training seconds" are read from
 MULTI_REWARD_PREFIX = "multireward_"  # configs/toy/multireward_*.yaml belong to `flowrl bench balancers`
 I2V_SUFFIX = "_i2v"  # configs/toy/*_i2v.yaml: the toy image-to-video world, raced on its own (--baseline grpo_i2v)
+GENEVAL_PREFIX = "geneval_"  # configs/toy/geneval_*.yaml: the GenEval families' world, another base model
 
 
 def world(name: str) -> str:
-    """Which toy world a recipe trains in: 'i2v' (a source image per prompt) or 't2i'."""
+    """Which toy world a recipe trains in: 'i2v' (a source image per prompt), 'geneval' (configs/toy/geneval_*.yaml:
+    the GenEval toy model on the GenEval families, docs/toy.md#training-on-the-families; not raced) or 't2i'."""
+    if name.startswith(GENEVAL_PREFIX):
+        return "geneval"
     return "i2v" if name.endswith(I2V_SUFFIX) else "t2i"
 
 

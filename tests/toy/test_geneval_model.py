@@ -95,3 +95,12 @@ def test_geneval_like_config_trains_a_step_on_pair_prompts_and_grades_by_the_exa
     scores = json.loads((cfg.run_dir / "eval" / "step_000001" / "scores.json").read_text())
     assert set(scores["means"]) == {"toy_geneval", "toy_geneval_exact"}
     assert scores["prompts"] == split_prompts("geneval_heldout")[:8] and len(scores["samples"]) == 8
+
+
+def test_the_race_leaves_the_geneval_world_out():
+    """`flowrl bench trainers` races recipes from the first toy model; configs/toy/geneval_*.yaml use the second."""
+    from flowrl.bench import trainers as race
+
+    assert race.world("geneval_like") == "geneval" and "geneval_like" not in race.toy_recipes()
+    with pytest.raises(ValueError, match="'geneval_like' trains in the toy geneval world but --baseline 'grpo'"):
+        race.recipe_order(["grpo", "geneval_like"])

@@ -121,9 +121,12 @@ def combine(grads: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     return (alpha.to(grads.dtype)[:, None] * grads).sum(0)
 
 
-def clamp_active(per_reward: torch.Tensor, alpha: torch.Tensor, adv_clip_max: float) -> bool:
+def clamp_active(per_reward: torch.Tensor, alpha: torch.Tensor, adv_clip_max: float | None) -> bool:
     """Whether some |A_k| or |Σ_k α_k A_k| reaches A_max: then r = clamp(1/2 + A/(2·A_max), 0, 1) is not affine in A
-    there and the single backward on Σ α_k A_k is not the combination of the per-reward gradients. per_reward [K, M]."""
+    there and the single backward on Σ α_k A_k is not the combination of the per-reward gradients. per_reward [K, M].
+    A loss without a clamp (adv_clip_max None, e.g. the ELBO policy gradient's) never is."""
+    if adv_clip_max is None:
+        return False
     combined = (alpha.to(per_reward.dtype)[:, None] * per_reward).sum(0)
     return bool((per_reward.abs() >= adv_clip_max).any() or (combined.abs() >= adv_clip_max).any())
 

@@ -157,3 +157,5 @@ def test_amortization_identity_breaks_where_a_clamp_is_active():
     assert (separate - single).abs().max() > 1e-4  # so the fallback takes the exact combination
     # where the combined advantage itself reaches A_max the check fires too
     assert clamp_active(torch.tensor([[4.9], [4.9]]), torch.tensor([0.5, 0.5]), 4.9)
+    # a loss without an advantage clamp (the ELBO policy gradient's) is affine at any advantage
+    assert not clamp_active(per_reward * 1e3, alpha, None)

@@ -42,7 +42,7 @@ def metric_keys(runs: list[RunRecord], wanted) -> list[str]:
 
 
 def drift_keys(runs: list[RunRecord]) -> list[str]:
-    """The rollout drift metrics any run logged (`drift/...`, flowrl.trainers.kit.RolloutDrift), sorted."""
+    """The rollout drift metrics any run logged (`drift/...`, flowrl.trainers.drift.RolloutDrift), sorted."""
     return sorted(metric_keys(runs, lambda key: key.startswith("drift/")))
 
 

@@ -35,7 +35,8 @@ from flowrl.config import RunConfig
 from flowrl.losses import ADV_MODES, nft_loss, velocity_kl
 from flowrl.schedules import nft_times, trainable_steps
 from flowrl.trainers.async_rollout import ROLLOUT, RolloutAhead, check_async
-from flowrl.trainers.replay import GROUP, ReplayBuffer, ReplayConfig, check_replay, nft_replay
+from flowrl.trainers.replay import GROUP, ReplayBuffer, ReplayConfig, check_replay
+from flowrl.trainers.replay_nft import nft_replay
 from flowrl.training.clock import timed
 from flowrl.training.distributed import kept_per_process, make_accelerator
 from flowrl.training.loop import RecipeConfig, RecipeParts

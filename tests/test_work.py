@@ -10,7 +10,7 @@ import torch
 
 from flowrl import work
 from flowrl.trainers import build_trainer, load_config
-from flowrl.trainers.kit import DRIFT_ROWS
+from flowrl.trainers.drift import DRIFT_ROWS
 from flowrl.training.loop import metered_step
 
 FIXED = ["logging.trackers=[]", "logging.progress_bar=false", "eval.every_n_steps=0", "checkpoint.every_n_steps=0"]

@@ -71,7 +71,7 @@ class RecipeParts:
     extra_rewards: dict[str, Any] = field(default_factory=dict)  # a recipe's own scored rewards (Adv-GRPO's RM)
     reward_grads: RewardGradients | None = None
     kept: dict[str, Any] = field(default_factory=dict)
-    drift: Any = None  # flowrl.trainers.kit.RolloutDrift: the step's rollout drift, opened by kit.collect
+    drift: Any = None  # flowrl.trainers.drift.RolloutDrift: the step's rollout drift, opened by kit.collect
 
 
 class Recipe(Protocol):

@@ -1,4 +1,4 @@
-"""The rollout drift monitor (flowrl.trainers.kit.RolloutDrift, docs/math.md#rollout-drift) and the lossless/lossy
+"""The rollout drift monitor (flowrl.trainers.drift.RolloutDrift, docs/math.md#rollout-drift) and the lossless/lossy
 declarations of the samplers (Sampler.lossy(), the matrix's `rollouts` mark, kit.lossy_rollout_error).
 
 The drift is measured at the first optimizer step after each rollout: GRPO's first pass hands its log-probs over (0
